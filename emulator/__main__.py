@@ -1,0 +1,24 @@
+"""``python -m emulator``: start the daemon for one session (the session does this)."""
+
+import argparse
+import sys
+
+from emulator.daemon import run
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(prog="python -m emulator", description="mirage emulator daemon")
+    p.add_argument("--run-dir", required=True, help="the session's 0700 run directory")
+    p.add_argument("--session", required=True, help="session id (names shared-memory segments)")
+    p.add_argument("--token-file", required=True, help="file holding the session token (not argv: ps shows argv)")
+    p.add_argument("--profile", default="mi350x")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=int, default=1)
+    a = p.parse_args()
+    with open(a.token_file) as f:
+        token = f.read().strip()
+    return run(a.run_dir, a.session, token, a.profile, a.nodes, a.gpus_per_node)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

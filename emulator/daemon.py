@@ -1,0 +1,250 @@
+"""The emulator daemon: one per session, owner of the emulated GPUs' collectives.
+
+Single-threaded on purpose: one loop polls the ROUTER socket, feeds requests to
+the ledger, and between polls runs one wave of the scheduler. No locks, and the
+order in which things happen is the order events are published.
+
+Sockets are ``ipc://`` files in the session's 0700 run directory; every request
+must carry the session token; anything malformed gets an ``Error`` reply and a
+``ProtocolError`` event, never an exception out of the loop.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import signal
+import sys
+import time
+import traceback
+
+import zmq
+
+from emulator import schema as s
+from emulator.arena import Arena, ArenaError, check_name
+from emulator.kernels import KernelError
+from emulator.ledger import CommError, Communicator, Ledger, Posted
+from emulator.scheduler import Job, WaveScheduler, make_job
+
+RPC_SOCKET = "rpc.sock"
+EVENT_SOCKET = "events.sock"
+#: How often progress events go out for one collective, at most.
+PROGRESS_INTERVAL_S = 0.05
+
+
+def endpoints(run_dir: str) -> tuple[str, str]:
+    """The (rpc, events) ZeroMQ endpoints of the daemon serving ``run_dir``."""
+    return f"ipc://{os.path.join(run_dir, RPC_SOCKET)}", f"ipc://{os.path.join(run_dir, EVENT_SOCKET)}"
+
+
+class Daemon:
+    """Serves one session until stopped (SIGTERM, or its parent going away)."""
+
+    def __init__(self, run_dir: str, session: str, token: str, profile: str, nodes: int, gpus_per_node: int):
+        self.session = session
+        self.token = token
+        self.profile = profile
+        self.nodes = nodes
+        self.gpus_per_node = gpus_per_node
+        self.ctx = zmq.Context()
+        rpc, events = endpoints(run_dir)
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        # a vanished client must not make replies block the loop
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.router.bind(rpc)
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.SNDHWM, 0)  # events are never dropped for a slow session
+        self.pub.setsockopt(zmq.LINGER, 2000)
+        self.pub.bind(events)
+        self.ledger = Ledger()
+        self.scheduler = WaveScheduler()
+        self.arenas: dict[str, Arena] = {}
+        self.running = True
+        self._last_progress: dict[int, float] = {}
+
+    # ------------------------------------------------------------ plumbing
+
+    def publish(self, event: s.Event) -> None:
+        self.pub.send(s.encode(event))
+
+    def reply(self, client: bytes, msg: s.Reply) -> None:
+        try:
+            self.router.send_multipart([client, s.encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the client is gone; its rank will be reported dead by the session
+
+    def arena(self, name: str) -> Arena:
+        arena = self.arenas.get(name)
+        if arena is None:
+            check_name(name, self.session)
+            arena = self.arenas[name] = Arena.open(name)
+        return arena
+
+    # ------------------------------------------------------------ requests
+
+    def handle(self, client: bytes, data: bytes) -> None:
+        try:
+            msg = s.decode(data)
+        except s.SchemaError as e:
+            return self.refuse(client, 0, f"malformed request: {e}")
+        if not isinstance(msg, s.Request):
+            return self.refuse(client, 0, f"{msg.TYPE!r} is not a request")
+        if not hmac.compare_digest(msg.token.encode(), self.token.encode()):
+            return self.refuse(client, msg.req, "unauthorized: wrong or missing session token")
+        try:
+            if isinstance(msg, s.Ping):
+                self.reply(client, s.Ok(req=msg.req))
+                self.publish_ready()
+            elif isinstance(msg, s.Hello):
+                self.reply(client, s.Ok(req=msg.req))
+                self.publish(s.RankRegistered(rank=msg.rank, node=msg.node, pid=msg.pid))
+            elif isinstance(msg, s.CommInit):
+                self.ledger.join(msg)
+                self.reply(client, s.Ok(req=msg.req))
+                self.publish(
+                    s.CommJoined(
+                        comm=msg.comm, rank=msg.rank, size=msg.size, global_rank=msg.global_rank, transport=msg.transport
+                    )
+                )
+            elif isinstance(msg, s.Collective):
+                self.post(client, msg)
+            else:
+                self.refuse(client, msg.req, f"unexpected request {msg.TYPE!r}")
+        except CommError as e:
+            self.reply(client, s.Error(req=msg.req, code=e.code, message=e.message))
+        except (ArenaError, KernelError, OSError) as e:
+            self.reply(client, s.Error(req=msg.req, code="ncclInvalidArgument", message=str(e)))
+
+    def refuse(self, client: bytes, req: int, why: str) -> None:
+        self.reply(client, s.Error(req=req, code="protocol", message=why))
+        self.publish(s.ProtocolError(message=why))
+
+    def publish_ready(self) -> None:
+        self.publish(
+            s.DaemonReady(pid=os.getpid(), profile=self.profile, nodes=self.nodes, gpus_per_node=self.gpus_per_node)
+        )
+
+    def post(self, client: bytes, req: s.Collective) -> None:
+        self.publish(
+            s.CollectiveEnqueued(
+                comm=req.comm, seq=req.seq, rank=req.rank, op=req.op, dtype=req.dtype,
+                numel=req.numel, device=req.device, site=req.site,
+            )
+        )
+        try:
+            comm, matched = self.ledger.post(client, req)
+        except CommError as e:
+            comm = self.ledger.comms.get(req.comm)
+            if comm is None or comm.failed is e:
+                raise
+            return self.fail(comm, e, extra=[Posted(client, req)])
+        if matched is None:
+            return
+        try:
+            job = make_job(comm, matched, self.arena)
+        except (ArenaError, KernelError, OSError) as e:
+            return self.fail(comm, CommError("ncclInvalidArgument", str(e)), extra=matched)
+        self.scheduler.submit(job)
+        self.publish(s.CollectiveStarted(comm=comm.comm, seq=req.seq, op=req.op, total_bytes=job.total_bytes))
+
+    def fail(self, comm: Communicator, err: CommError, extra: list[Posted]) -> None:
+        """Fail the communicator: every rank waiting in it gets the error."""
+        waiting = self.ledger.fail(comm, err) + extra
+        waiting += [p for job in self.scheduler.drop(comm) for p in job.posted]
+        for p in waiting:
+            self.reply(p.client, s.Error(req=p.request.req, code=err.code, message=err.message))
+        self.publish(s.CommFailed(comm=comm.comm, code=err.code, message=err.message))
+
+    # ------------------------------------------------------------ execution
+
+    def run_wave(self) -> None:
+        progressed, finished = self.scheduler.run_wave()
+        now = time.monotonic()
+        for job in progressed:
+            if job in finished or now - self._last_progress.get(id(job), 0.0) < PROGRESS_INTERVAL_S:
+                continue
+            self._last_progress[id(job)] = now
+            req = job.first
+            self.publish(
+                s.CollectiveProgress(
+                    comm=req.comm, seq=req.seq, done_bytes=job.done * job.itemsize, total_bytes=job.total_bytes
+                )
+            )
+        for job in finished:
+            self.finish(job)
+
+    def finish(self, job: Job) -> None:
+        req = job.first
+        self._last_progress.pop(id(job), None)
+        self.ledger.complete(job.comm, req.seq)
+        for p in job.posted:
+            self.reply(p.client, s.Done(req=p.request.req, comm=req.comm, seq=req.seq))
+        self.publish(
+            s.CollectiveCompleted(
+                comm=req.comm, seq=req.seq, op=req.op, total_bytes=job.total_bytes,
+                seconds=time.monotonic() - job.started,
+            )
+        )
+
+    def serve(self) -> None:
+        """The loop: take requests, run a wave, repeat; exits when ``running`` drops."""
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        parent = os.getppid()
+        self.publish_ready()
+        while self.running:
+            busy = self.scheduler.busy
+            if poller.poll(0 if busy else 200):
+                for _ in range(256):  # bounded, so waves keep running under load
+                    try:
+                        frames = self.router.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    if len(frames) != 2:
+                        self.refuse(frames[0], 0, "malformed request: expected one frame")
+                        continue
+                    try:
+                        self.handle(frames[0], frames[1])
+                    except Exception:  # a bug must not take the session's GPUs down
+                        traceback.print_exc()
+                        self.reply(frames[0], s.Error(code="ncclInternalError", message="daemon internal error"))
+            if self.scheduler.busy:
+                self.run_wave()
+            if os.getppid() != parent:
+                break  # the session is gone: nobody is left to serve
+
+    def close(self) -> None:
+        for arena in self.arenas.values():
+            arena.close()
+        self.router.close(0)
+        self.pub.close()
+        self.ctx.term()
+
+
+def _die_with_parent() -> None:
+    # Linux: SIGTERM us if the session dies without reaping us
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def run(run_dir: str, session: str, token: str, profile: str, nodes: int, gpus_per_node: int) -> int:
+    """Entry point used by ``python -m emulator``."""
+    _die_with_parent()
+    daemon = Daemon(run_dir, session, token, profile, nodes, gpus_per_node)
+
+    def stop(signum, frame):
+        daemon.running = False
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    print(f"mirage daemon pid {os.getpid()} serving {endpoints(run_dir)[0]}", file=sys.stderr, flush=True)
+    try:
+        daemon.serve()
+    finally:
+        daemon.close()
+    return 0

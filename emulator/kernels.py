@@ -1,0 +1,95 @@
+"""The numpy kernels collectives run: typed views, reductions, copies.
+
+torch dtypes arrive by name. numpy has no bfloat16, so those buffers are
+viewed as uint16 and reduced in float32, rounding back to nearest-even, which
+is what RCCL's bf16 reduction kernels do.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from emulator.schema import ReduceOp
+
+#: dtype name (as torch spells it) -> numpy storage dtype
+DTYPES: dict[str, np.dtype] = {
+    name: np.dtype(np_name)
+    for name, np_name in {
+        "float32": "float32",
+        "float64": "float64",
+        "float16": "float16",
+        "bfloat16": "uint16",
+        "int8": "int8",
+        "uint8": "uint8",
+        "int16": "int16",
+        "int32": "int32",
+        "int64": "int64",
+        "bool": "bool",
+    }.items()
+}
+
+
+class KernelError(ValueError):
+    """A dtype or reduction the kernels cannot run (NCCL: ncclInvalidArgument)."""
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element of a torch dtype name."""
+    try:
+        return DTYPES[dtype].itemsize
+    except KeyError:
+        raise KernelError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}") from None
+
+
+def typed(raw: np.ndarray, dtype: str) -> np.ndarray:
+    """View a uint8 buffer as elements of ``dtype`` (bfloat16 as uint16)."""
+    itemsize(dtype)
+    return raw.view(DTYPES[dtype])
+
+
+def _to_compute(a: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":
+        return (a.astype(np.uint32) << 16).view(np.float32)
+    return a
+
+
+def _from_compute(a: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":
+        bits = a.astype(np.float32).view(np.uint32)
+        bits = bits + (np.uint32(0x7FFF) + ((bits >> 16) & 1))
+        return (bits >> 16).astype(np.uint16)
+    return a
+
+
+_BINARY = {
+    ReduceOp.SUM: np.add,
+    ReduceOp.AVG: np.add,
+    ReduceOp.PRODUCT: np.multiply,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.MAX: np.maximum,
+}
+_BOOL_BINARY = {
+    ReduceOp.SUM: np.logical_or,
+    ReduceOp.PRODUCT: np.logical_and,
+    ReduceOp.MIN: np.logical_and,
+    ReduceOp.MAX: np.logical_or,
+}
+
+
+def reduce(parts: list[np.ndarray], op: ReduceOp, dtype: str) -> np.ndarray:
+    """Reduce equally-shaped typed views element-wise; returns a new array."""
+    if dtype == "bool":
+        fn = _BOOL_BINARY.get(op)
+        if fn is None:
+            raise KernelError(f"reduce op {op.value} is not defined for bool")
+    else:
+        fn = _BINARY[op]
+    acc = np.array(_to_compute(parts[0], dtype), copy=True)
+    for p in parts[1:]:
+        fn(acc, _to_compute(p, dtype), out=acc)
+    if op is ReduceOp.AVG:
+        if acc.dtype.kind in "iu":
+            acc //= len(parts)
+        else:
+            acc /= len(parts)
+    return _from_compute(acc, dtype)

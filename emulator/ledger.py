@@ -1,0 +1,146 @@
+"""The collective ledger: communicators, their members, and collectives posted.
+
+A collective becomes runnable when every rank of its communicator has posted
+the same sequence number. The ledger checks what NCCL checks at that point
+(two ranks on one GPU; ranks disagreeing on what they run) and hands the
+matched set to the scheduler. It remembers, per rank, the last sequence number
+enqueued and completed, which is what the hang detector will read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from emulator.schema import CollOp, Collective, CommInit
+
+
+class CommError(Exception):
+    """A communicator-level failure, reported to every rank with an NCCL code."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class Posted:
+    """One rank's half of a collective: its request and where to reply."""
+
+    client: bytes
+    request: Collective
+
+
+@dataclass
+class Communicator:
+    comm: str
+    size: int
+    members: dict[int, CommInit] = field(default_factory=dict)
+    posted: dict[int, dict[int, Posted]] = field(default_factory=dict)  # seq -> rank -> Posted
+    last_enqueued: dict[int, int] = field(default_factory=dict)
+    last_completed: dict[int, int] = field(default_factory=dict)
+    devices_checked: bool = False
+    failed: CommError | None = None
+
+
+def _bus_id(device: int) -> str:
+    # NCCL prints the PCI bus id as a hex integer; emulated GPU i sits on bus i+1
+    return f"{(device + 1) << 12:x}"
+
+
+def _fingerprint(r: Collective) -> str:
+    return (
+        f"CollectiveFingerPrint(SequenceNumber={r.seq}, OpType={r.op.name}, "
+        f"TensorShape=[{r.numel}], TensorDtypes={r.dtype}, "
+        f"TensorDeviceTypes=TensorOptions(device=cuda:{r.device}))"
+    )
+
+
+class Ledger:
+    """Every communicator of the session, keyed by its id."""
+
+    def __init__(self) -> None:
+        self.comms: dict[str, Communicator] = {}
+
+    def join(self, init: CommInit) -> Communicator:
+        """Register a rank in its communicator (created by the first joiner)."""
+        if init.size < 1 or not 0 <= init.rank < init.size:
+            raise CommError("ncclInvalidArgument", f"rank {init.rank} outside communicator of size {init.size}")
+        comm = self.comms.get(init.comm)
+        if comm is None:
+            comm = self.comms[init.comm] = Communicator(init.comm, init.size)
+        if comm.size != init.size:
+            raise CommError(
+                "ncclInvalidUsage", f"rank {init.rank} joined with size {init.size}, but the communicator has {comm.size}"
+            )
+        comm.members[init.rank] = init
+        return comm
+
+    def post(self, client: bytes, req: Collective) -> tuple[Communicator, list[Posted] | None]:
+        """Record a rank's collective; return the full matched set once all ranks posted."""
+        comm = self.comms.get(req.comm)
+        if comm is None or req.rank not in comm.members:
+            raise CommError("ncclInvalidUsage", f"rank {req.rank} posted to communicator {req.comm} before joining it")
+        if comm.failed:
+            raise comm.failed
+        if req.seq <= comm.last_enqueued.get(req.rank, 0):
+            raise CommError(
+                "ncclInvalidUsage", f"rank {req.rank} posted collective #{req.seq} out of order"
+            )
+        comm.last_enqueued[req.rank] = req.seq
+        slot = comm.posted.setdefault(req.seq, {})
+        slot[req.rank] = Posted(client, req)
+        if len(slot) < comm.size:
+            return comm, None
+        del comm.posted[req.seq]
+        matched = [slot[r] for r in range(comm.size)]
+        self._check_devices(comm, matched)
+        self._check_match(matched)
+        return comm, matched
+
+    def complete(self, comm: Communicator, seq: int) -> None:
+        for rank in range(comm.size):
+            comm.last_completed[rank] = seq
+
+    def fail(self, comm: Communicator, err: CommError) -> list[Posted]:
+        """Mark the communicator failed; return every rank still waiting in it."""
+        comm.failed = err
+        waiting = [p for slot in comm.posted.values() for p in slot.values()]
+        comm.posted.clear()
+        return waiting
+
+    @staticmethod
+    def _check_devices(comm: Communicator, matched: list[Posted]) -> None:
+        # NCCL checks this once, when the communicator connects its ranks
+        if comm.devices_checked:
+            return
+        comm.devices_checked = True
+        seen: dict[tuple[str, int], int] = {}
+        for p in matched:
+            member = comm.members[p.request.rank]
+            key = (member.host, p.request.device)
+            if key in seen:
+                raise CommError(
+                    "ncclInvalidUsage",
+                    f"Duplicate GPU detected : rank {seen[key]} and rank {p.request.rank} "
+                    f"both on CUDA device {_bus_id(p.request.device)}",
+                )
+            seen[key] = p.request.rank
+
+    @staticmethod
+    def _check_match(matched: list[Posted]) -> None:
+        first = matched[0].request
+        for p in matched[1:]:
+            r = p.request
+            same = (r.op, r.dtype, r.numel) == (first.op, first.dtype, first.numel)
+            if r.op in (CollOp.ALLREDUCE, CollOp.REDUCE_SCATTER):
+                same = same and r.reduce_op == first.reduce_op
+            if r.op is CollOp.BROADCAST:
+                same = same and r.root == first.root
+            if not same:
+                raise CommError(
+                    "ncclInvalidUsage",
+                    "Detected mismatch between collectives on ranks. "
+                    f"Rank {first.rank} is running collective: {_fingerprint(first)}, "
+                    f"but Rank {r.rank} is running collective: {_fingerprint(r)}",
+                )

@@ -1,0 +1,346 @@
+"""The wire format shared by the daemon, the shim and the console.
+
+Every message is one JSON object with a version ``v`` and a ``type``. Requests
+(rank -> daemon) and replies (daemon -> rank) travel over the daemon's ROUTER
+socket; events (daemon/session -> anyone) over its PUB socket and into
+``events.jsonl``. Each message kind is a frozen dataclass here, so no stringly
+dict crosses a module boundary: ``decode`` turns bytes into one of these types
+or raises :class:`SchemaError`, which the daemon answers with an error reply.
+
+JSON only, never pickle: a peer can send us nothing but data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import typing
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import ClassVar
+
+VERSION = 1
+#: Largest request the daemon will parse; tensors never travel inline.
+MAX_MESSAGE_BYTES = 1 << 20
+
+
+class SchemaError(ValueError):
+    """A message that is not valid JSON or does not match its declared type."""
+
+
+class ReduceOp(str, Enum):
+    """Reduction operators, with torch's ``ReduceOp`` names in lower case."""
+
+    SUM = "sum"
+    AVG = "avg"
+    PRODUCT = "product"
+    MIN = "min"
+    MAX = "max"
+
+
+class CollOp(str, Enum):
+    """Collective kinds the daemon executes (NCCL's OpType names, lower case)."""
+
+    ALLREDUCE = "allreduce"
+    BROADCAST = "broadcast"
+    ALLGATHER = "allgather"
+    REDUCE_SCATTER = "reduce_scatter"
+    BARRIER = "barrier"
+
+
+class Stream(str, Enum):
+    STDOUT = "stdout"
+    STDERR = "stderr"
+
+
+_REGISTRY: dict[str, type[Message]] = {}
+
+
+@dataclass(frozen=True)
+class Message:
+    """Base of every message; subclasses set ``TYPE``."""
+
+    TYPE: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        if cls.__dict__.get("TYPE"):
+            _REGISTRY[cls.TYPE] = cls
+
+
+# ---------------------------------------------------------------- requests
+
+
+@dataclass(frozen=True)
+class Request(Message):
+    token: str = ""
+    req: int = 0  # per-client request id, echoed in the reply
+
+
+@dataclass(frozen=True)
+class Ping(Request):
+    """Liveness check; the daemon answers Ok and republishes DaemonReady."""
+
+    TYPE: ClassVar[str] = "ping"
+
+
+@dataclass(frozen=True)
+class Hello(Request):
+    """A rank process announces itself (pid, node, global rank if known)."""
+
+    TYPE: ClassVar[str] = "hello"
+    rank: int = -1
+    node: int = 0
+    pid: int = 0
+
+
+@dataclass(frozen=True)
+class CommInit(Request):
+    """A rank joins communicator ``comm`` (a uuid agreed through the c10d store)."""
+
+    TYPE: ClassVar[str] = "comm_init"
+    comm: str = ""
+    rank: int = 0  # rank within the communicator
+    size: int = 1
+    global_rank: int = 0
+    node: int = 0
+    host: str = ""  # NCCL_HOSTID: ranks on one host must not share a GPU
+    transport: str = "shm"
+
+
+@dataclass(frozen=True)
+class Collective(Request):
+    """Rank ``rank`` of ``comm`` posts collective number ``seq``.
+
+    Its input and output live in the rank's shared-memory arena ``arena`` at
+    byte offsets ``in_off``/``out_off``; ``numel`` counts input elements.
+    """
+
+    TYPE: ClassVar[str] = "collective"
+    comm: str = ""
+    seq: int = 0
+    rank: int = 0
+    op: CollOp = CollOp.ALLREDUCE
+    reduce_op: ReduceOp = ReduceOp.SUM
+    dtype: str = "float32"
+    numel: int = 0
+    out_numel: int = 0
+    root: int = 0
+    device: int = 0
+    arena: str = ""
+    in_off: int = 0
+    out_off: int = 0
+    site: str = ""  # file:line:function of the call in the user's code
+
+
+# ---------------------------------------------------------------- replies
+
+
+@dataclass(frozen=True)
+class Reply(Message):
+    req: int = 0
+
+
+@dataclass(frozen=True)
+class Ok(Reply):
+    TYPE: ClassVar[str] = "ok"
+
+
+@dataclass(frozen=True)
+class Error(Reply):
+    """The request failed; ``code`` is an NCCL result name where one fits."""
+
+    TYPE: ClassVar[str] = "error"
+    code: str = "ncclInternalError"
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class Done(Reply):
+    """Collective ``seq`` of ``comm`` finished; the output is in the arena."""
+
+    TYPE: ClassVar[str] = "done"
+    comm: str = ""
+    seq: int = 0
+
+
+# ---------------------------------------------------------------- events
+
+
+@dataclass(frozen=True)
+class Event(Message):
+    t: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class DaemonReady(Event):
+    TYPE: ClassVar[str] = "daemon_ready"
+    pid: int = 0
+    profile: str = ""
+    nodes: int = 1
+    gpus_per_node: int = 1
+
+
+@dataclass(frozen=True)
+class RankRegistered(Event):
+    TYPE: ClassVar[str] = "rank_registered"
+    rank: int = 0
+    node: int = 0
+    pid: int = 0
+
+
+@dataclass(frozen=True)
+class CommJoined(Event):
+    TYPE: ClassVar[str] = "comm_joined"
+    comm: str = ""
+    rank: int = 0
+    size: int = 1
+    global_rank: int = 0
+    transport: str = "shm"
+
+
+@dataclass(frozen=True)
+class CollectiveEnqueued(Event):
+    TYPE: ClassVar[str] = "coll_enqueued"
+    comm: str = ""
+    seq: int = 0
+    rank: int = 0
+    op: CollOp = CollOp.ALLREDUCE
+    dtype: str = "float32"
+    numel: int = 0
+    device: int = 0
+    site: str = ""
+
+
+@dataclass(frozen=True)
+class CollectiveStarted(Event):
+    TYPE: ClassVar[str] = "coll_started"
+    comm: str = ""
+    seq: int = 0
+    op: CollOp = CollOp.ALLREDUCE
+    total_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class CollectiveProgress(Event):
+    TYPE: ClassVar[str] = "coll_progress"
+    comm: str = ""
+    seq: int = 0
+    done_bytes: int = 0
+    total_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class CollectiveCompleted(Event):
+    TYPE: ClassVar[str] = "coll_completed"
+    comm: str = ""
+    seq: int = 0
+    op: CollOp = CollOp.ALLREDUCE
+    total_bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class CommFailed(Event):
+    TYPE: ClassVar[str] = "comm_failed"
+    comm: str = ""
+    code: str = ""
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class ProtocolError(Event):
+    """The daemon refused a message (bad token, malformed, out of order)."""
+
+    TYPE: ClassVar[str] = "protocol_error"
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class OutputLine(Event):
+    """One line a rank (``rank`` >= 0) or node process (``node``) printed."""
+
+    TYPE: ClassVar[str] = "output"
+    rank: int = -1
+    node: int = -1
+    stream: Stream = Stream.STDOUT
+    text: str = ""
+
+
+@dataclass(frozen=True)
+class ProcessExited(Event):
+    """A node process (launched by the session) ended."""
+
+    TYPE: ClassVar[str] = "process_exited"
+    node: int = 0
+    pid: int = 0
+    returncode: int = 0
+
+
+@dataclass(frozen=True)
+class SessionEnded(Event):
+    TYPE: ClassVar[str] = "session_ended"
+    returncode: int = 0
+    summary: str = ""
+
+
+# ---------------------------------------------------------------- codec
+
+
+def encode(msg: Message) -> bytes:
+    """Serialise ``msg`` to its JSON wire form."""
+    body = {"v": VERSION, "type": msg.TYPE}
+    for f in dataclasses.fields(msg):
+        value = getattr(msg, f.name)
+        body[f.name] = value.value if isinstance(value, Enum) else value
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def _hints(cls: type) -> dict[str, object]:
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = _HINTS[cls] = typing.get_type_hints(cls)
+    return hints
+
+
+_HINTS: dict[type, dict[str, object]] = {}
+
+
+def _check(name: str, hint: object, value: object) -> object:
+    if isinstance(hint, type) and issubclass(hint, Enum):
+        try:
+            return hint(value)
+        except ValueError:
+            choices = ", ".join(m.value for m in hint)
+            raise SchemaError(f"field {name!r}: {value!r} is not one of {choices}") from None
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(hint, type) and (
+        not isinstance(value, hint) or (hint is int and isinstance(value, bool))
+    ):
+        raise SchemaError(f"field {name!r}: expected {hint.__name__}, got {type(value).__name__}")
+    return value
+
+
+def decode(data: bytes | str) -> Message:
+    """Parse one wire message; raise :class:`SchemaError` on anything malformed."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise SchemaError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        body = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise SchemaError(f"not JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise SchemaError("message must be a JSON object")
+    if body.get("v") != VERSION:
+        raise SchemaError(f"unsupported version {body.get('v')!r}, expected {VERSION}")
+    cls = _REGISTRY.get(body.get("type"))  # type: ignore[arg-type]
+    if cls is None:
+        raise SchemaError(f"unknown message type {body.get('type')!r}")
+    hints = _hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in body:
+            kwargs[f.name] = _check(f.name, hints[f.name], body[f.name])
+    return cls(**kwargs)

@@ -1,0 +1,62 @@
+"""Headless runs (``mirage run``, ``mirage-tui --batch``): prefixed lines, a summary, an exit code.
+
+Never imports Textual: CI machines run this.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+from emulator import schema as s
+from mirage_tui.session import LaunchError, Outcome, Session
+from mirage_tui.topology import Topology
+
+
+def _print_event(event: s.Event) -> None:
+    if isinstance(event, s.OutputLine):
+        prefix = f"[{event.rank}]" if event.rank >= 0 else f"[node{event.node}]"
+        out = sys.stdout if event.stream is s.Stream.STDOUT else sys.stderr
+        out.write(f"{prefix} {event.text}\n")
+        out.flush()
+    elif isinstance(event, s.CommFailed):
+        print(f"mirage: communicator {event.comm[:8]} failed: {event.code}: {event.message}", file=sys.stderr, flush=True)
+
+
+class _Interrupted(Exception):
+    def __init__(self, signum: int):
+        self.signum = signum
+
+
+def run_batch(topology: Topology) -> int:
+    """Run the topology's command to completion; return the session's exit code."""
+
+    def on_signal(signum, frame):
+        raise _Interrupted(signum)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    session = Session(topology, _print_event)
+    outcome: Outcome | None = None
+    try:
+        try:
+            session.start()
+            outcome = session.wait()
+        except LaunchError as e:
+            outcome = Outcome(e.returncode, str(e), session.run.path)
+        except _Interrupted as e:
+            name = signal.Signals(e.signum).name
+            outcome = Outcome(128 + e.signum, f"interrupted by {name}; run stopped", session.run.path)
+        finally:
+            # a second Ctrl-C must not interrupt the teardown
+            for sig in previous:
+                signal.signal(sig, signal.SIG_IGN)
+            session.stop()
+    finally:
+        session.close(outcome)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    assert outcome is not None
+    status = "ok" if outcome.returncode == 0 else "FAILED"
+    print(f"mirage: {status}: {outcome.summary} (exit {outcome.returncode}); run dir: {outcome.run_dir}",
+          file=sys.stderr, flush=True)
+    return outcome.returncode

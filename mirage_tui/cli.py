@@ -1,0 +1,211 @@
+"""The ``mirage`` and ``mirage-tui`` commands.
+
+Everything after the first ``--`` is the workload's command line and is split
+off before argparse runs, so the workload's own flags are never parsed as
+mirage's. Every usage mistake is one ``PROG: error: ...`` line on stderr and
+exit status 2, and nothing is started. Batch mode must never import textual,
+so this module imports the runner (and any UI) lazily.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+from emulator.profiles import DEFAULT_PROFILE, list_profiles
+from mirage_tui import __version__
+from mirage_tui.topology import Topology, UsageError, parse_env, validate
+
+USAGE_EXIT = 2
+
+_RUN_EPILOG = """\
+example:
+  %(prog)s --gpus-per-node 8 -- torchrun --nproc-per-node 8 train.py
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are exceptions, so they print as one line."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        # No abbreviations: a later flag must not change what an old one means.
+        super().__init__(allow_abbrev=False, **kwargs)
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        # Strict at every level, so a stray argument is reported by the
+        # subcommand that met it and the hint names that subcommand's --help.
+        ns, extras = super().parse_known_args(args, namespace)
+        if extras:
+            hint = "" if extras[0].startswith("-") else " (the program to run goes after --)"
+            self.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+        return ns, extras
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message}; see '{self.prog} --help'")
+
+
+def _add_run_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--profile",
+        default=DEFAULT_PROFILE,
+        metavar="NAME",
+        help=f"GPU model to emulate, or a profile .toml file (default: {DEFAULT_PROFILE}; "
+        "see 'mirage profiles')",
+    )
+    parser.add_argument("--num-nodes", type=int, default=1, metavar="N", help="nodes (default: 1)")
+    parser.add_argument(
+        "--gpus-per-node", type=int, default=1, metavar="G", help="GPUs per node (default: 1)"
+    )
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set an environment variable for the workload (repeatable)",
+    )
+    parser.add_argument(
+        "--in-process", action="store_true", help="run without separate node processes"
+    )
+    parser.add_argument(
+        "--log-dir",
+        metavar="DIR",
+        help="where to write the run's logs (default: under .mirage/runs)",
+    )
+
+
+def _split(argv: Sequence[str]) -> tuple[list[str], tuple[str, ...] | None]:
+    """Split ``argv`` at the first ``--``; the command is None when there is no ``--``."""
+    args = list(argv)
+    if "--" not in args:
+        return args, None
+    cut = args.index("--")
+    return args[:cut], tuple(args[cut + 1 :])
+
+
+def _topology(ns: argparse.Namespace, command: tuple[str, ...] | None, help_prog: str) -> Topology:
+    """Build and validate the run's topology; errors point at ``help_prog --help``."""
+    try:
+        topology = Topology(
+            profile=ns.profile,
+            num_nodes=ns.num_nodes,
+            gpus_per_node=ns.gpus_per_node,
+            env=tuple(parse_env(item) for item in ns.env),
+            in_process=ns.in_process,
+            log_dir=ns.log_dir,
+            command=command or (),
+        )
+        validate(topology)
+    except UsageError as e:
+        raise UsageError(f"{e}; see '{help_prog} --help'") from None
+    return topology
+
+
+def _run(topology: Topology) -> int:
+    # Imported here: the runner pulls in the session machinery, which neither
+    # --help nor a usage error should pay for.
+    from mirage_tui.batch import run_batch
+
+    return run_batch(topology)
+
+
+def _print_profiles() -> int:
+    rows = [("", "NAME", "PRODUCT", "GFX", "CUS", "HBM", "FP16 TFLOPS")]
+    for p in list_profiles():
+        rows.append(
+            (
+                "*" if p.name == DEFAULT_PROFILE else "",
+                p.name,
+                p.product,
+                p.gfx,
+                str(p.compute_units),
+                f"{p.hbm_gib:g} GiB {p.hbm_type}",
+                f"{p.fp16_tflops:.1f}",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    numeric = {4, 6}  # right-aligned columns
+    for row in rows:
+        cells = [
+            c.rjust(w) if i in numeric else c.ljust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        print("  ".join(cells).rstrip())
+    print("* = default")
+    return 0
+
+
+def _dispatch(
+    parser: argparse.ArgumentParser,
+    argv: Sequence[str] | None,
+    act: Callable[[argparse.Namespace, tuple[str, ...] | None], int],
+) -> int:
+    """Parse ``argv`` (default: ``sys.argv[1:]``) and call ``act``; usage errors exit 2."""
+    head, command = _split(sys.argv[1:] if argv is None else argv)
+    try:
+        try:
+            ns = parser.parse_args(head)
+        except SystemExit as e:  # only --help and --version exit; errors raise UsageError
+            return int(e.code or 0)
+        return act(ns, command)
+    except UsageError as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return USAGE_EXIT
+
+
+def _mirage(ns: argparse.Namespace, command: tuple[str, ...] | None) -> int:
+    if ns.cmd == "profiles":
+        if command is not None:
+            raise UsageError("'mirage profiles' takes no command after --")
+        return _print_profiles()
+    return _run(_topology(ns, command, "mirage run"))
+
+
+def _mirage_tui(ns: argparse.Namespace, command: tuple[str, ...] | None) -> int:
+    if not ns.batch:
+        print("mirage-tui: the interactive console is not built yet; use --batch", file=sys.stderr)
+        return USAGE_EXIT
+    return _run(_topology(ns, command, "mirage-tui"))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``mirage`` with ``argv`` (default: ``sys.argv[1:]``); return the exit status."""
+    parser = _Parser(
+        prog="mirage", description="Run multi-GPU PyTorch programs on emulated AMD GPUs."
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    run = sub.add_parser(
+        "run",
+        help="run a program on an emulated cluster",
+        usage="%(prog)s [options] -- COMMAND [ARGS...]",
+        epilog=_RUN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_run_flags(run)
+    sub.add_parser("profiles", help="list the GPU models mirage can emulate")
+    return _dispatch(parser, argv, _mirage)
+
+
+def tui_main(argv: Sequence[str] | None = None) -> int:
+    """Run ``mirage-tui`` with ``argv``; ``--batch`` makes it behave like ``mirage run``."""
+    parser = _Parser(
+        prog="mirage-tui",
+        usage="%(prog)s [options] [--batch] -- COMMAND [ARGS...]",
+        description="Watch a multi-GPU PyTorch program run on emulated AMD GPUs.",
+        epilog=_RUN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    _add_run_flags(parser)
+    parser.add_argument(
+        "--batch", action="store_true", help="no console: stream output like 'mirage run'"
+    )
+    return _dispatch(parser, argv, _mirage_tui)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,341 @@
+"""A session owns every process of one run: the daemon, the node processes, their children.
+
+It creates the run directory, starts the daemon and waits until it answers,
+starts one process per emulated node with the environment the shim reads,
+gathers every event (daemon events from ZeroMQ, output lines from the rank
+files and node pipes) into one ordered stream that goes to ``events.jsonl``
+and to the caller's sink, and tears everything down at the end: nodes first,
+the daemon last, then anything still carrying the session's id.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import psutil
+import zmq
+
+from emulator import schema as s
+from emulator.arena import session_segments
+from emulator.daemon import endpoints
+from mirage_tui import rundir
+from mirage_tui.output import RankTail, pump_pipe
+from mirage_tui.topology import Topology
+
+#: How long the other nodes may keep running after one failed.
+FAIL_GRACE_S = 3.0
+#: How long a process gets between SIGTERM and SIGKILL.
+TERM_GRACE_S = 3.0
+DAEMON_START_TIMEOUT_S = 20.0
+_BOOT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "shim", "boot")
+
+Sink = Callable[[s.Event], None]
+
+
+class LaunchError(Exception):
+    """The session could not start (command missing, daemon not answering)."""
+
+    def __init__(self, message: str, returncode: int):
+        super().__init__(message)
+        self.returncode = returncode
+
+
+@dataclass(frozen=True)
+class Outcome:
+    returncode: int
+    summary: str
+    run_dir: str
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Session:
+    """Run ``topology``'s command on its emulated cluster; events go to ``sink``."""
+
+    def __init__(self, topology: Topology, sink: Sink):
+        self.topology = topology
+        self.sink = sink
+        self.run = rundir.create(topology.log_dir)
+        self.daemon: subprocess.Popen | None = None
+        self.nodes: list[subprocess.Popen] = []
+        self._events: queue.Queue[s.Event | None] = queue.Queue()
+        self._threads: list[threading.Thread] = []
+        self._stop = threading.Event()
+        self._ctx = zmq.Context()
+        self._journal = open(self.run.events, "ab")
+        self._log_files: dict[str, object] = {}
+
+    # ------------------------------------------------------------ events
+
+    def emit(self, event: s.Event) -> None:
+        """Queue an event for the journal and the sink (any thread)."""
+        self._events.put(event)
+
+    def _dispatch(self) -> None:
+        # the only writer of events.jsonl and the only caller of the sink
+        while True:
+            event = self._events.get()
+            batch = [event]
+            while True:
+                try:
+                    batch.append(self._events.get_nowait())
+                except queue.Empty:
+                    break
+            for e in batch:
+                if e is None:
+                    self._journal.flush()
+                    return
+                self._journal.write(s.encode(e) + b"\n")
+                if isinstance(e, s.OutputLine):
+                    self._log_line(e)
+                self.sink(e)
+            self._journal.flush()
+
+    def _log_line(self, e: s.OutputLine) -> None:
+        path = self.run.rank_log(e.rank) if e.rank >= 0 else self.run.node_log(e.node)
+        f = self._log_files.get(path)
+        if f is None:
+            f = self._log_files[path] = open(path, "a", encoding="utf-8")
+        f.write(e.text + "\n")
+        f.flush()
+
+    def _subscribe(self) -> None:
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.RCVHWM, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(endpoints(self.run.path)[1])
+        self._sub = sub
+
+    def _pump_daemon_events(self) -> None:
+        while not self._stop.is_set():
+            if self._sub.poll(100):
+                while True:
+                    try:
+                        data = self._sub.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    try:
+                        self.emit(s.decode(data))  # type: ignore[arg-type]
+                    except s.SchemaError:
+                        pass
+        self._sub.close(0)
+
+    def _pump_rank_files(self) -> None:
+        tail = RankTail(self.run.ranks)
+        while not self._stop.wait(0.05):
+            for line in tail.poll():
+                self.emit(line)
+        for line in tail.poll(final=True):
+            self.emit(line)
+
+    def _thread(self, target, name: str) -> None:
+        t = threading.Thread(target=target, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    # ------------------------------------------------------------ start
+
+    def _start_daemon(self) -> None:
+        topo = self.topology
+        log = open(os.path.join(self.run.path, "daemon.log"), "ab")
+        self.daemon = subprocess.Popen(
+            [sys.executable, "-m", "emulator", "--run-dir", self.run.path, "--session", self.run.session,
+             "--token-file", self.run.token_file, "--profile", topo.profile, "--nodes", str(topo.num_nodes),
+             "--gpus-per-node", str(topo.gpus_per_node)],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=self._daemon_env(),
+        )
+        log.close()
+        self._subscribe()
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(endpoints(self.run.path)[0])
+        deadline = time.monotonic() + DAEMON_START_TIMEOUT_S
+        try:
+            # ready once a ping is answered AND its DaemonReady reached our SUB socket
+            while time.monotonic() < deadline:
+                if self.daemon.poll() is not None:
+                    raise LaunchError(f"the mirage daemon exited with code {self.daemon.returncode}; see {self.run.path}/daemon.log", 1)
+                dealer.send(s.encode(s.Ping(token=self.run.token)))
+                if dealer.poll(200) and self._sub.poll(200):
+                    self.emit(s.decode(self._sub.recv()))  # type: ignore[arg-type]
+                    return
+            raise LaunchError(f"the mirage daemon did not answer within {DAEMON_START_TIMEOUT_S:.0f} s", 1)
+        finally:
+            dealer.close(0)
+
+    def _daemon_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        root = os.path.dirname(os.path.dirname(_BOOT_DIR))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        env["MIRAGE_SESSION"] = self.run.session  # tags it for the orphan sweep
+        return env
+
+    def node_env(self, node: int, master_port: int) -> dict[str, str]:
+        """The environment node process ``node`` starts with."""
+        topo = self.topology
+        env = {k: v for k, v in os.environ.items() if k != "MIRAGE_RANK_PID"}
+        env.update(
+            RANK=str(node), WORLD_SIZE=str(topo.num_nodes), LOCAL_RANK="0",
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port),
+            NCCL_HOSTID=f"mirage-node-{node}", PYTHONUNBUFFERED="1",
+        )
+        env.update(dict(topo.env))  # the user's --env wins over our defaults, not over MIRAGE_*
+        env.update(
+            MIRAGE_HEAD_ADDR="127.0.0.1", MIRAGE_HEAD_PORT=str(master_port),
+            MIRAGE_SESSION=self.run.session, MIRAGE_RUN_DIR=self.run.path,
+            MIRAGE_ENDPOINT=endpoints(self.run.path)[0], MIRAGE_TOKEN=self.run.token,
+            MIRAGE_PROFILE=topo.profile, MIRAGE_GPUS_PER_NODE=str(topo.gpus_per_node),
+            MIRAGE_NODE_RANK=str(node), MIRAGE_NUM_NODES=str(topo.num_nodes),
+        )
+        if topo.in_process:
+            env["MIRAGE_IN_PROCESS"] = "1"
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_BOOT_DIR, env.get("PYTHONPATH")) if p)
+        return env
+
+    def start(self) -> None:
+        """Start the daemon (unless in-process), the event pumps and the node processes."""
+        self._thread(self._dispatch, "dispatch")
+        if not self.topology.in_process:
+            self._start_daemon()
+            self._thread(self._pump_daemon_events, "daemon-events")
+        self._thread(self._pump_rank_files, "rank-output")
+        port = _free_port()
+        for node in range(self.topology.num_nodes):
+            try:
+                proc = subprocess.Popen(
+                    list(self.topology.command), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE, env=self.node_env(node, port), start_new_session=True,
+                )
+            except (FileNotFoundError, PermissionError) as e:
+                what = "not found" if isinstance(e, FileNotFoundError) else "not executable"
+                raise LaunchError(f"command {what}: {self.topology.command[0]} (searched PATH)", 127) from None
+            self.nodes.append(proc)
+            self._threads.append(pump_pipe(proc.stdout, node, s.Stream.STDOUT, self.emit))
+            self._threads.append(pump_pipe(proc.stderr, node, s.Stream.STDERR, self.emit))
+
+    # ------------------------------------------------------------ wait / stop
+
+    def wait(self) -> Outcome:
+        """Block until every node exited (or one failed and the rest were stopped)."""
+        first_failure: tuple[int, int] | None = None
+        failed_at = 0.0
+        reported: set[int] = set()
+        while True:
+            running = 0
+            for node, proc in enumerate(self.nodes):
+                code = proc.poll()
+                if code is None:
+                    running += 1
+                    continue
+                if node not in reported:
+                    reported.add(node)
+                    self.emit(s.ProcessExited(node=node, pid=proc.pid, returncode=code))
+                    if code != 0 and first_failure is None:
+                        first_failure, failed_at = (node, code), time.monotonic()
+            if not running:
+                break
+            if self.daemon is not None and self.daemon.poll() is not None and first_failure is None:
+                first_failure, failed_at = (-1, 1), time.monotonic()
+            if first_failure and time.monotonic() - failed_at > FAIL_GRACE_S:
+                self._terminate_nodes()
+            time.sleep(0.05)
+        if first_failure is None:
+            return Outcome(0, f"all {len(self.nodes)} node process(es) exited 0", self.run.path)
+        node, code = first_failure
+        if node < 0:
+            return Outcome(1, f"the mirage daemon died (see {self.run.path}/daemon.log)", self.run.path)
+        return Outcome(code if code > 0 else 128 - code, self._failure_summary(node, code), self.run.path)
+
+    def _failure_summary(self, node: int, code: int) -> str:
+        how = f"signal {-code}" if code < 0 else f"exit code {code}"
+        culprits = []
+        for name in sorted(os.listdir(self.run.ranks)):
+            if name.endswith(".stderr"):
+                with open(os.path.join(self.run.ranks, name), "rb") as f:
+                    if b"Traceback (most recent call last)" in f.read():
+                        rank = int(name.split("-")[1].split(".")[0])
+                        culprits.append(f"rank {rank} raised (log: {self.run.rank_log(rank)})")
+        where = "; ".join(culprits) or f"log: {self.run.node_log(node)}"
+        return f"node {node} failed with {how}; {where}"
+
+    def _terminate_nodes(self) -> None:
+        for proc in self.nodes:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + TERM_GRACE_S
+        for proc in self.nodes:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+
+    def _sweep(self) -> None:
+        """Kill anything still carrying this session's id (escaped process groups)."""
+        me = os.getpid()
+        for p in psutil.process_iter(["pid"]):
+            if p.pid == me:
+                continue
+            try:
+                if p.environ().get("MIRAGE_SESSION") == self.run.session:
+                    p.kill()
+            except (psutil.Error, OSError):
+                continue
+        for path in session_segments(self.run.session):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+    def stop(self) -> None:
+        """Tear down: nodes, then the daemon, then stragglers; flush the journal."""
+        self._terminate_nodes()
+        if self.daemon is not None and self.daemon.poll() is None:
+            self.daemon.terminate()
+            try:
+                self.daemon.wait(TERM_GRACE_S)
+            except subprocess.TimeoutExpired:
+                self.daemon.kill()
+                self.daemon.wait()
+        self._sweep()
+        self._stop.set()
+        for t in self._threads:
+            if t.name != "dispatch":
+                t.join(5)
+
+    def close(self, outcome: Outcome | None) -> None:
+        """Record the end and close the journal (after :meth:`stop`)."""
+        if outcome is not None:
+            self.emit(s.SessionEnded(returncode=outcome.returncode, summary=outcome.summary))
+        self._events.put(None)
+        for t in self._threads:
+            if t.name == "dispatch":
+                t.join(10)
+        self._journal.close()
+        for f in self._log_files.values():
+            f.close()  # type: ignore[attr-defined]
+        self._ctx.term()
+        try:
+            os.unlink(self.run.token_file)  # the token is useless once the daemon is gone
+        except OSError:
+            pass
+

@@ -1,0 +1,73 @@
+"""What a run asks for: the emulated cluster's shape and the program to run.
+
+The command line builds a :class:`Topology`; :func:`validate` checks it before
+anything starts, so every usage mistake surfaces as one :class:`UsageError`
+line instead of a half-started run.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from emulator.profiles import DEFAULT_PROFILE, ProfileError, load_profile
+
+MAX_GPUS_PER_NODE = 64
+MAX_NODES = 1024
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+class UsageError(Exception):
+    """A mistake in how mirage was called; the message is one line."""
+
+
+@dataclass(frozen=True)
+class Topology:
+    """An emulated cluster of ``num_nodes`` x ``gpus_per_node`` GPUs and its workload."""
+
+    profile: str = DEFAULT_PROFILE  # a bundled profile name or a .toml path
+    num_nodes: int = 1
+    gpus_per_node: int = 1
+    env: tuple[tuple[str, str], ...] = ()  # extra environment for every rank
+    in_process: bool = False
+    log_dir: str | None = None
+    command: tuple[str, ...] = ()  # the program and its own arguments
+
+    @property
+    def world_gpus(self) -> int:
+        """How many GPUs the whole cluster has."""
+        return self.num_nodes * self.gpus_per_node
+
+
+def parse_env(item: str) -> tuple[str, str]:
+    """Split one ``--env KEY=VALUE`` argument; raise :class:`UsageError` if malformed."""
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise UsageError(f"--env expects KEY=VALUE, got {item!r}")
+    _check_env_name(key)
+    return key, value
+
+
+def _check_env_name(key: str) -> None:
+    if not _ENV_NAME.match(key):
+        raise UsageError(f"--env name {key!r} is not a valid environment variable name")
+
+
+def validate(topology: Topology) -> None:
+    """Raise :class:`UsageError` naming the first problem with ``topology``, if any."""
+    gpus = topology.gpus_per_node
+    if not 1 <= gpus <= MAX_GPUS_PER_NODE:
+        raise UsageError(f"--gpus-per-node must be between 1 and {MAX_GPUS_PER_NODE}, got {gpus}")
+    if not 1 <= topology.num_nodes <= MAX_NODES:
+        raise UsageError(f"--num-nodes must be between 1 and {MAX_NODES}, got {topology.num_nodes}")
+    try:
+        load_profile(topology.profile)
+    except ProfileError as e:
+        raise UsageError(str(e)) from None
+    for key, _ in topology.env:
+        _check_env_name(key)
+    if not topology.command:
+        raise UsageError(
+            "missing command: put the program after --, e.g. mirage run -- python train.py"
+        )

@@ -1,0 +1,260 @@
+"""The ``"nccl"`` process group: every collective goes to the daemon.
+
+``init_process_group("nccl")`` is routed here (the CPU build refuses the real
+NCCL) while ``dist.get_backend()`` still answers ``"nccl"``. A collective
+copies each input into the rank's shared-memory arena, posts it to the daemon
+with the next sequence number of its communicator, waits for ``Done`` and
+copies the result back: the daemon reduces in place, over shared memory.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import uuid
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from torch._C._distributed_c10d import _create_work_from_future
+from torch.futures import Future
+
+from emulator import schema as s
+from shim import client as cl
+from shim import device as dev
+from shim.cuda import NCCL_VERSION
+from shim.tensor import MirageTensor
+
+NAME = "mirage"
+IN_PROCESS_MESSAGE = (
+    "--in-process gives each process its own emulator; multi-process collectives need the daemon "
+    "— drop --in-process"
+)
+_NCCL_TEXT = {
+    "ncclInvalidUsage": ("invalid usage", "This usually reflects invalid usage of NCCL library."),
+    "ncclInvalidArgument": ("invalid argument", "Invalid value for an argument."),
+    "ncclSystemError": ("unhandled system error", "System call (e.g. socket, malloc) or external library call failed."),
+    "ncclRemoteError": ("remote process exited or there was a network error", "A call failed possibly due to a network error or a remote process exiting prematurely."),
+}
+_REDUCE = {
+    dist.ReduceOp.RedOpType.SUM: s.ReduceOp.SUM,
+    dist.ReduceOp.RedOpType.AVG: s.ReduceOp.AVG,
+    dist.ReduceOp.RedOpType.PRODUCT: s.ReduceOp.PRODUCT,
+    dist.ReduceOp.RedOpType.MIN: s.ReduceOp.MIN,
+    dist.ReduceOp.RedOpType.MAX: s.ReduceOp.MAX,
+}
+
+
+def _reduce_op(opts) -> s.ReduceOp:
+    """Our name for the options' reduction (C++ hands us a ReduceOp wrapping a RedOpType)."""
+    if opts is None:
+        return s.ReduceOp.SUM
+    op = _REDUCE.get(opts.reduceOp.op)
+    if op is None:
+        raise ValueError(f"reduce op {opts.reduceOp.op.name} is not supported by the emulated NCCL")
+    return op
+
+
+def _nccl_error(code: str, message: str, device: int) -> dist.DistBackendError:
+    """An exception worded as ProcessGroupNCCL words it (users grep for these)."""
+    short, explain = _NCCL_TEXT.get(code, ("internal error", "Internal check failed."))
+    print(
+        f"{socket.gethostname()}:{os.getpid()}:{threading.get_native_id()} [{device}] "
+        f"NCCL WARN {message}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return dist.DistBackendError(
+        f"NCCL error in: ../torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:2210, {short} "
+        f"(run with NCCL_DEBUG=WARN for details), NCCL version {'.'.join(map(str, NCCL_VERSION))}\n"
+        f"{code}: {explain}\nLast error:\n{message}"
+    )
+
+
+def _call_site() -> str:
+    """file:line:function of the first frame outside torch and mirage."""
+    f = sys._getframe(2)
+    while f is not None:
+        name = f.f_code.co_filename
+        if f"{os.sep}torch{os.sep}" not in name and f"{os.sep}shim{os.sep}" not in name:
+            return f"{name}:{f.f_lineno}:{f.f_code.co_name}"
+        f = f.f_back
+    return ""
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    if not isinstance(t, MirageTensor):
+        raise ValueError(f"Tensors must be CUDA and dense; got a tensor on {t.device}")
+    return t._elem
+
+
+class MirageProcessGroup(dist.ProcessGroup):
+    """A communicator of ``size`` ranks, matched in the daemon by a store-agreed id."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta):
+        super().__init__(rank, size)
+        self._rank, self._size = rank, size
+        self._timeout = timeout
+        self._seq = 0
+        self._group_name = ""
+        self._group_desc = ""
+        self._lock = threading.Lock()
+        self._in_process = os.environ.get("MIRAGE_IN_PROCESS") == "1"
+        if self._in_process:
+            if size > 1:
+                raise dist.DistBackendError(IN_PROCESS_MESSAGE)
+            return
+        # rank 0 mints the communicator id, as NCCL's ncclUniqueId travels through the store
+        if rank == 0:
+            store.set("mirage_comm_id", uuid.uuid4().hex)
+        self._comm = store.get("mirage_comm_id").decode()
+        self._client = cl.client()
+        reply = self._client.request(
+            s.CommInit(
+                comm=self._comm,
+                rank=rank,
+                size=size,
+                global_rank=int(os.environ.get("RANK", "0")),
+                node=int(os.environ.get("MIRAGE_NODE_RANK", "0")),
+                host=os.environ.get("NCCL_HOSTID", socket.gethostname()),
+                transport=_transport(),
+            )
+        )
+        if isinstance(reply, s.Error):
+            raise _nccl_error(reply.code, reply.message, dev.STATE.current)
+
+    # -- identity (functional collectives, DTensor and FSDP2 look groups up by name)
+    def getBackendName(self) -> str:
+        return "nccl"
+
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+    # -- the engine: one collective, in the arena, through the daemon
+    def _run(self, op: s.CollOp, inputs: list[torch.Tensor], out_numel: int, dtype: torch.dtype,
+             reduce_op=s.ReduceOp.SUM, root: int = 0, device: int | None = None) -> torch.Tensor:
+        """Post one collective; return the flat output (a view into the arena, valid until the next)."""
+        numel = sum(t.numel() for t in inputs)
+        device = dev.STATE.current if device is None else device
+        if self._in_process:
+            return torch.cat([t.reshape(-1) for t in inputs]) if inputs else torch.empty(0, dtype=dtype)
+        esize = torch.empty(0, dtype=dtype).element_size()
+        out_off = cl.aligned(numel * esize)
+        same = op in (s.CollOp.ALLREDUCE, s.CollOp.BROADCAST)
+        arena = self._client.arena(out_off + (0 if same else out_numel * esize))
+        staged = cl.arena_tensor(arena, 0, numel, dtype)
+        at = 0
+        for t in inputs:
+            staged[at : at + t.numel()].copy_(t.reshape(-1))
+            at += t.numel()
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+        reply = self._client.request(
+            s.Collective(
+                comm=self._comm, seq=seq, rank=self._rank, op=op, reduce_op=reduce_op,
+                dtype=str(dtype).removeprefix("torch."), numel=numel, out_numel=out_numel, root=root,
+                device=device, arena=arena.name, in_off=0, out_off=0 if same else out_off, site=_call_site(),
+            ),
+            timeout_s=self._timeout.total_seconds(),
+        )
+        if isinstance(reply, s.Error):
+            raise _nccl_error(reply.code, reply.message, device)
+        return staged if same else cl.arena_tensor(arena, out_off, out_numel, dtype)
+
+    def _done(self, result) -> dist.Work:
+        fut = Future()
+        fut.set_result(result)
+        return _create_work_from_future(fut)
+
+    def allreduce(self, tensors, opts=None):
+        op = _reduce_op(opts)
+        for t in tensors:
+            elem = _flat(t)
+            out = self._run(s.CollOp.ALLREDUCE, [elem], elem.numel(), elem.dtype, reduce_op=op, device=t._gpu)
+            elem.copy_(out.view(elem.shape))
+        return self._done(tensors)
+
+    def broadcast(self, tensors, opts=None):
+        root = opts.rootRank if opts is not None else 0
+        for t in tensors:
+            elem = _flat(t)
+            out = self._run(s.CollOp.BROADCAST, [elem], elem.numel(), elem.dtype, root=root, device=t._gpu)
+            if self._rank != root:
+                elem.copy_(out.view(elem.shape))
+        return self._done(tensors)
+
+    def allgather(self, output_lists, inputs, opts=None):
+        for outs, t in zip(output_lists, inputs):
+            elem = _flat(t)
+            flat = self._run(s.CollOp.ALLGATHER, [elem], elem.numel() * self._size, elem.dtype, device=t._gpu)
+            for k, o in enumerate(outs):
+                _flat(o).copy_(flat[k * elem.numel() : (k + 1) * elem.numel()].view(o.shape))
+        return self._done(output_lists)
+
+    def _allgather_base(self, output, input, opts=None):
+        elem = _flat(input)
+        flat = self._run(s.CollOp.ALLGATHER, [elem], output.numel(), elem.dtype, device=input._gpu)
+        _flat(output).copy_(flat.view(output.shape))
+        return self._done([output])
+
+    def _reduce_scatter_base(self, output, input, opts=None):
+        elem = _flat(input)
+        op = _reduce_op(opts)
+        flat = self._run(s.CollOp.REDUCE_SCATTER, [elem], output.numel(), elem.dtype, reduce_op=op, device=input._gpu)
+        _flat(output).copy_(flat.view(output.shape))
+        return self._done([output])
+
+    def barrier(self, opts=None):
+        self._run(s.CollOp.BARRIER, [], 0, torch.float32)
+        return self._done([])
+
+
+def _transport() -> str:
+    off = {k for k in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE") if os.environ.get(k) == "1"}
+    return "socket" if len(off) == 2 else "shm"
+
+
+def _create(store, rank, size, timeout):
+    return MirageProcessGroup(store, rank, size, timeout)
+
+
+def _to_mirage(backend):
+    return None if backend is None else str(backend).replace("nccl", NAME)
+
+
+def install() -> None:
+    """Register the backend and route ``"nccl"`` to it, keeping the name ``"nccl"`` visible."""
+    dist.Backend.register_backend(NAME, _create, devices=["cuda", NAME])
+    helper = c10d._new_process_group_helper
+    register = c10d._register_pg_in_world
+
+    def new_process_group_helper(group_size, group_rank, global_ranks_in_group, backend, *args, **kwargs):
+        return helper(group_size, group_rank, global_ranks_in_group, _to_mirage(backend), *args, **kwargs)
+
+    def register_pg_in_world(pg, *args, backend_name=None, backend_config=None, **kwargs):
+        name = None if backend_name is None else str(backend_name).replace(NAME, "nccl")
+        config = None if backend_config is None else backend_config.replace(NAME, "nccl")
+        return register(pg, *args, backend_name=name, backend_config=config, **kwargs)
+
+    c10d._new_process_group_helper = new_process_group_helper
+    c10d._register_pg_in_world = register_pg_in_world
+    c10d._NCCL_AVAILABLE = True
+    # ProcessGroupNCCL's default timeout (10 minutes), which a CPU build leaves unset
+    c10d.default_pg_nccl_timeout = timedelta(minutes=10)

@@ -1,0 +1,73 @@
+"""The emulated GPUs as the rank sees them: how many, which is current, what they are.
+
+Read from the ``MIRAGE_*`` variables the session sets. The current device is
+process-wide rather than per-thread (CUDA's is per-thread): C++ code such as
+the autograd engine allocates on its own threads, and they must agree with the
+thread that called ``set_device``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from emulator.profiles import Profile, load_profile
+
+
+#: The name the PrivateUse1 backend is registered under (C++ sees ``mirage:0``).
+BACKEND = "mirage"
+
+
+@dataclass
+class DeviceState:
+    profile: Profile
+    count: int
+    current: int = 0
+    initialized: bool = False
+
+
+def _from_env() -> DeviceState:
+    profile = load_profile(os.environ.get("MIRAGE_PROFILE", "mi350x"))
+    return DeviceState(profile=profile, count=int(os.environ.get("MIRAGE_GPUS_PER_NODE", "1")))
+
+
+STATE = _from_env()
+_alloc = threading.local()
+
+
+def check_index(index: int) -> int:
+    """Validate a device ordinal the way the HIP runtime does."""
+    if not 0 <= index < STATE.count:
+        raise RuntimeError(
+            "HIP error: invalid device ordinal\n"
+            "HIP kernel errors might be asynchronously reported at some other API call, "
+            "so the stacktrace below might be incorrect.\n"
+            "For debugging consider passing AMD_SERIALIZE_KERNEL=3"
+        )
+    return index
+
+
+def allocation_override() -> int | None:
+    """The GPU set by an enclosing :func:`allocating_on`, if any."""
+    return getattr(_alloc, "gpu", None)
+
+
+def allocation_device() -> int:
+    """The GPU a new tensor with no GPU input lands on (override, else current)."""
+    return getattr(_alloc, "gpu", STATE.current)
+
+
+@contextmanager
+def allocating_on(gpu: int):
+    """Make C++-side allocations in this block land on emulated GPU ``gpu``."""
+    prev = getattr(_alloc, "gpu", None)
+    _alloc.gpu = gpu
+    try:
+        yield
+    finally:
+        if prev is None:
+            del _alloc.gpu
+        else:
+            _alloc.gpu = prev

@@ -1,0 +1,80 @@
+"""Translate ``cuda`` in user code to the emulated backend, at the Python API boundary.
+
+User code names ``cuda`` explicitly (``device="cuda:1"``, ``t.to("cuda")``,
+``.cuda()``, ``Module.to(device)``). A global ``TorchFunctionMode`` sees those
+calls before C++ does, swaps the device for the backend's one, and sets which
+emulated GPU the resulting allocations land on.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from shim import device as dev
+from shim.tensor import BACKEND, BACKEND_DEVICE, MirageTensor
+
+_aten = torch.ops.aten
+_TO = torch.Tensor.to
+_CUDA = torch.Tensor.cuda
+
+
+def _cuda_index(d) -> int | None:
+    """The emulated GPU a device argument names, or None if it is not cuda."""
+    if isinstance(d, int) and not isinstance(d, bool):
+        return None
+    if isinstance(d, str):
+        if not d.startswith(("cuda", BACKEND)):
+            return None
+        d = torch.device(d)
+    if isinstance(d, torch.device) and d.type in ("cuda", BACKEND):
+        return dev.check_index(dev.STATE.current if d.index is None else d.index)
+    return None
+
+
+def _move(t: torch.Tensor, gpu: int, dtype, copy: bool, memory_format) -> torch.Tensor:
+    """``t.to(cuda:gpu, dtype)``: differentiable, a no-op when nothing changes."""
+    same_place = isinstance(t, MirageTensor) and t._gpu == gpu
+    if same_place and (dtype is None or dtype == t.dtype) and not copy:
+        return t
+    kw = {"dtype": dtype or t.dtype, "device": BACKEND_DEVICE}
+    if memory_format is not None:
+        kw["memory_format"] = memory_format
+    with dev.allocating_on(gpu):
+        return _aten._to_copy.default(t, **kw)
+
+
+class CudaMode(TorchFunctionMode):
+    """Routes every ``cuda`` device argument to the emulated backend."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _TO:
+            parse_kw = {k: v for k, v in kwargs.items() if k != "copy"}
+            device, dtype, _non_blocking, memory_format = torch._C._nn._parse_to(*args[1:], **parse_kw)
+            gpu = _cuda_index(device) if device is not None else None
+            if gpu is not None:
+                return _move(args[0], gpu, dtype, kwargs.get("copy", False), memory_format)
+            return func(*args, **kwargs)
+        if func is _CUDA:
+            d = args[1] if len(args) > 1 else kwargs.get("device")
+            gpu = dev.STATE.current if d is None else (_cuda_index(d) if not isinstance(d, int) else dev.check_index(d))
+            return _move(args[0], gpu, None, False, kwargs.get("memory_format"))
+        d = kwargs.get("device")
+        if d is not None:
+            gpu = _cuda_index(d)
+            if gpu is not None:
+                kwargs = dict(kwargs, device=BACKEND_DEVICE)
+                with dev.allocating_on(gpu):
+                    return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+_mode: CudaMode | None = None
+
+
+def install() -> None:
+    """Push the mode for the rest of the process (and threads started later)."""
+    global _mode
+    _mode = CudaMode()
+    _mode.__enter__()
