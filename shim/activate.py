@@ -54,3 +54,20 @@ def activate() -> None:
     from shim import backend
 
     backend.install()
+    _register_rank()
+
+
+def _register_rank() -> None:
+    """Tell the daemon which pid is which rank, so the console can name it."""
+    import os
+
+    if os.environ.get("MIRAGE_RANK_PID") != str(os.getpid()) or os.environ.get("MIRAGE_IN_PROCESS") == "1":
+        return
+    if "MIRAGE_ENDPOINT" not in os.environ:
+        return
+    from emulator.schema import Hello
+    from shim.client import client
+
+    client().request(
+        Hello(rank=int(os.environ.get("RANK", "0")), node=int(os.environ.get("MIRAGE_NODE_RANK", "0")), pid=os.getpid())
+    )

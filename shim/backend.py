@@ -221,6 +221,10 @@ class MirageProcessGroup(dist.ProcessGroup):
         _flat(output).copy_(flat.view(output.shape))
         return self._done([output])
 
+    # the names torch.distributed calls from Python for the tensor forms
+    all_gather_single = _allgather_base
+    reduce_scatter_single = _reduce_scatter_base
+
     def barrier(self, opts=None):
         self._run(s.CollOp.BARRIER, [], 0, torch.float32)
         return self._done([])

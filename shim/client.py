@@ -16,10 +16,6 @@ from emulator.arena import Arena, arena_name
 _ALIGN = 64
 
 
-class DaemonGone(RuntimeError):
-    """The daemon stopped answering (it died, or the session is tearing down)."""
-
-
 class DaemonClient:
     """One DEALER socket per process; requests are serialised by a lock."""
 

@@ -132,11 +132,6 @@ def _wrap_tree(out, gpu: int, wrappers: dict[int, MirageTensor]):
     return tree_unflatten(flat, spec)
 
 
-def to_gpu(t: torch.Tensor, gpu: int) -> MirageTensor:
-    """Wrap (a copy of) CPU data as a tensor on emulated GPU ``gpu``; no autograd."""
-    return MirageTensor(t, gpu)
-
-
 def _empty_memory_format(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
     elem = torch.empty(size, dtype=dtype, layout=layout, memory_format=memory_format)
     return MirageTensor(elem, dev.allocation_device())

@@ -1,0 +1,546 @@
+"""The real daemon process: collectives over ZeroMQ + shared memory, errors, abuse.
+
+Each test module starts one ``python -m emulator`` (and a few tests start their
+own); ranks are DEALER sockets of this process, each with its own /dev/shm
+arena. No torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+import zmq
+
+from daemon_client import TIMEOUT_S, DaemonProcess, Events, bf16_bits, bf16_to_f32
+from emulator import schema as s
+from emulator.arena import Arena, arena_name, session_segments
+
+C = s.CollOp
+R = s.ReduceOp
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    d = DaemonProcess()
+    try:
+        yield d
+    finally:
+        d.stop()
+        assert not session_segments(d.session)
+
+
+@pytest.fixture
+def fresh_daemon():
+    """A daemon of the test's own, for tests that abuse it."""
+    d = DaemonProcess()
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+@pytest.fixture(autouse=True)
+def _daemon_survives(request):
+    yield
+    for name in ("daemon", "fresh_daemon"):
+        if name in request.fixturenames:
+            d = request.getfixturevalue(name)
+            assert d.alive(), f"daemon died:\n{d.stderr()}"
+            assert "Traceback" not in d.stderr(), d.stderr()
+
+
+def rng(seed=0):
+    return np.random.default_rng(seed)
+
+
+# ---------------------------------------------------------------- collectives
+
+
+def test_daemon_publishes_nothing_secret_and_runs_in_private_dir(daemon):
+    assert os.stat(daemon.run_dir).st_mode & 0o777 == 0o700
+    assert os.path.exists(os.path.join(daemon.run_dir, "rpc.sock"))
+    assert os.path.exists(os.path.join(daemon.run_dir, "events.sock"))
+    assert daemon.token not in " ".join(daemon.proc.args)
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_allreduce_float32_sum(daemon, size):
+    g = daemon.group(size)
+    xs = [rng(size * 10 + r).integers(-1000, 1000, 1031).astype(np.float32) for r in range(size)]
+    outs = g.run(C.ALLREDUCE, xs)
+    want = np.sum(np.stack(xs), axis=0, dtype=np.float64).astype(np.float32)
+    for out in outs:
+        np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_allreduce_int64_sum(daemon, size):
+    g = daemon.group(size)
+    xs = [rng(size + r).integers(-(2**40), 2**40, 777, dtype=np.int64) for r in range(size)]
+    for out in g.run(C.ALLREDUCE, xs, dtype="int64"):
+        np.testing.assert_array_equal(out, np.sum(np.stack(xs), axis=0))
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_allreduce_bfloat16_sum(daemon, size):
+    g = daemon.group(size)
+    vals = [rng(100 + r).standard_normal(2053).astype(np.float32) * 10 for r in range(size)]
+    bits = [bf16_bits(v) for v in vals]
+    outs = g.run(C.ALLREDUCE, bits, dtype="bfloat16")
+    # RCCL reduces bf16 in float32 and rounds once, to nearest even
+    exact = np.sum(np.stack([bf16_to_f32(b).astype(np.float64) for b in bits]), axis=0)
+    for out in outs:
+        assert out.dtype == np.uint16
+        np.testing.assert_allclose(bf16_to_f32(out), exact, rtol=2**-8, atol=1e-30)
+        if size == 2:  # two bf16 values sum exactly in float32: one rounding
+            np.testing.assert_array_equal(out, bf16_bits(exact.astype(np.float32)))
+
+
+@pytest.mark.parametrize(
+    "reduce_op,ref",
+    [(R.MAX, np.maximum.reduce), (R.MIN, np.minimum.reduce), (R.PRODUCT, np.multiply.reduce)],
+)
+def test_allreduce_other_ops(daemon, reduce_op, ref):
+    g = daemon.group(3)
+    xs = [rng(7 + r).integers(-5, 6, 300).astype(np.int32) for r in range(3)]
+    for out in g.run(C.ALLREDUCE, xs, dtype="int32", reduce_op=reduce_op):
+        np.testing.assert_array_equal(out, ref(np.stack(xs)))
+
+
+def test_allreduce_out_of_place(daemon):
+    g = daemon.group(2)
+    xs = [np.arange(100, dtype=np.float32) * (r + 1) for r in range(2)]
+    outs = g.run(C.ALLREDUCE, xs, in_place=False)
+    for rank, out in zip(g.ranks, outs):
+        np.testing.assert_array_equal(out, np.arange(100, dtype=np.float32) * 3)
+        # the input stays as written
+        np.testing.assert_array_equal(rank.read(0, 100, np.float32), xs[rank.rank])
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_broadcast_from_root_1(daemon, size):
+    g = daemon.group(size)
+    xs = [np.full(513, 10.0 * r, np.float32) for r in range(size)]
+    xs[1] = rng(3).standard_normal(513).astype(np.float32)
+    for out in g.run(C.BROADCAST, xs, root=1):
+        np.testing.assert_array_equal(out, xs[1])
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_allgather(daemon, size):
+    g = daemon.group(size)
+    xs = [rng(r).standard_normal(37).astype(np.float32) for r in range(size)]
+    for out in g.run(C.ALLGATHER, xs):
+        np.testing.assert_array_equal(out, np.concatenate(xs))
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_reduce_scatter(daemon, size):
+    g = daemon.group(size)
+    n = 41
+    xs = [rng(50 + r).integers(-100, 100, n * size).astype(np.float32) for r in range(size)]
+    total = np.sum(np.stack(xs), axis=0)
+    outs = g.run(C.REDUCE_SCATTER, xs)
+    for r, out in enumerate(outs):
+        assert out.size == n
+        np.testing.assert_array_equal(out, total[r * n : (r + 1) * n])
+
+
+def test_barrier(daemon):
+    g = daemon.group(3)
+    for _ in range(3):
+        assert all(out.size == 0 for out in g.run(C.BARRIER, None))
+    # a barrier only completes when every rank arrived
+    for rank in g.ranks[:2]:
+        rank.post(C.BARRIER, 0)
+    assert not any(r.client.has_reply(0.2) for r in g.ranks[:2])
+    g.ranks[2].post(C.BARRIER, 0)
+    assert all(isinstance(rep, s.Done) for rep in g.replies())
+
+
+def test_large_allreduce_publishes_progress(daemon):
+    events = Events(daemon)
+    try:
+        g = daemon.group(2)
+        numel = (24 << 20) // 4  # 24 MiB of float32 per rank: more than one 16 MiB wave
+        xs = [np.arange(numel, dtype=np.float32) % 1024, np.full(numel, 3.0, np.float32)]
+        outs = g.run(C.ALLREDUCE, xs)
+        want = xs[0] + 3.0
+        for out in outs:
+            np.testing.assert_array_equal(out, want)
+        seen = events.until(lambda e: isinstance(e, s.CollectiveCompleted) and e.comm == g.comm)
+    finally:
+        events.close()
+    mine = [e for e in seen if getattr(e, "comm", None) == g.comm]
+    kinds = [e.TYPE for e in mine]
+    assert kinds.count("comm_joined") == 2
+    assert kinds.count("coll_enqueued") == 2
+    assert kinds.index("coll_started") < kinds.index("coll_progress") < kinds.index("coll_completed")
+    progress = [e for e in mine if isinstance(e, s.CollectiveProgress)]
+    assert progress
+    done = [e.done_bytes for e in progress]
+    assert done == sorted(done) and 0 < done[0] and done[-1] < 24 << 20
+    assert all(e.total_bytes == 24 << 20 and e.seq == 1 for e in progress)
+    completed = mine[-1]
+    assert completed.total_bytes == 24 << 20 and completed.op is C.ALLREDUCE and completed.seconds >= 0
+
+
+def test_many_sequential_allreduces_complete_in_order(daemon):
+    g = daemon.group(2)
+    a, b = g.ranks
+    for arena_rank in g.ranks:
+        arena_rank.ensure_arena(4096)
+    # one at a time, as the shim does
+    for i in range(1, 101):
+        a.write(0, np.full(4, i, np.int32))
+        b.write(0, np.full(4, 2 * i, np.int32))
+        ra, rb = a.post(C.ALLREDUCE, 4, "int32", out_numel=4), b.post(C.ALLREDUCE, 4, "int32", out_numel=4)
+        da, db = a.client.recv(), b.client.recv()
+        assert (da.TYPE, da.req, da.seq, db.TYPE, db.req, db.seq) == ("done", ra, i, "done", rb, i)
+        np.testing.assert_array_equal(a.read(0, 4, np.int32), np.full(4, 3 * i, np.int32))
+        np.testing.assert_array_equal(b.read(0, 4, np.int32), np.full(4, 3 * i, np.int32))
+    # and pipelined: 100 more posted at once, each on its own slot of the arena
+    reqs = {a: [], b: []}
+    for i in range(100):
+        for rank in (a, b):
+            rank.write(16 * i, np.full(4, i + rank.rank, np.int32))
+            reqs[rank].append(rank.post(C.ALLREDUCE, 4, "int32", out_numel=4, in_off=16 * i, out_off=16 * i))
+    for rank in (a, b):
+        got = [rank.client.recv() for _ in range(100)]
+        assert [(r.TYPE, r.req, r.seq) for r in got] == [("done", q, 101 + i) for i, q in enumerate(reqs[rank])]
+        for i in range(100):
+            np.testing.assert_array_equal(rank.read(16 * i, 4, np.int32), np.full(4, 2 * i + 1, np.int32))
+
+
+def test_two_communicators_interleave(daemon):
+    # one big job must not block a small one on another communicator
+    big, small = daemon.group(2), daemon.group(2)
+    numel = (40 << 20) // 4
+    for r in big.ranks:
+        r.ensure_arena(numel * 4)
+        r.write(0, np.ones(numel, np.float32))
+    for r in small.ranks:
+        r.ensure_arena(64)
+        r.write(0, np.ones(4, np.float32))
+    for r in big.ranks:
+        r.post(C.ALLREDUCE, numel, out_numel=numel)
+    for r in small.ranks:
+        r.post(C.ALLREDUCE, 4, out_numel=4)
+    assert all(isinstance(x, s.Done) for x in small.replies())
+    assert not any(r.client.has_reply() for r in big.ranks)  # the big one is still running
+    assert all(isinstance(x, s.Done) for x in big.replies())
+    assert big.ranks[0].read(0, numel, np.float32).min() == 2.0
+    np.testing.assert_array_equal(small.ranks[1].read(0, 4, np.float32), np.full(4, 2.0, np.float32))
+
+
+# ---------------------------------------------------------------- NCCL errors
+
+
+def test_duplicate_gpu_errors_every_rank(daemon):
+    g = daemon.group(2, devices=[0, 0], hosts=["nodeA", "nodeA"])
+    for r in g.ranks:
+        r.ensure_arena(64)
+    reqs = [r.post(C.ALLREDUCE, 4, out_numel=4) for r in g.ranks]
+    replies = g.replies()
+    for rep, req in zip(replies, reqs):
+        assert isinstance(rep, s.Error), rep
+        assert rep.req == req
+        assert rep.code == "ncclInvalidUsage"
+        assert rep.message == "Duplicate GPU detected : rank 0 and rank 1 both on CUDA device 1000"
+    # the communicator stays failed
+    g.ranks[0].post(C.ALLREDUCE, 4, out_numel=4)
+    rep = g.ranks[0].client.recv()
+    assert isinstance(rep, s.Error) and "Duplicate GPU" in rep.message
+    # the same device on two hosts is fine
+    ok = daemon.group(2, devices=[1, 1], hosts=["nodeA", "nodeB"])
+    outs = ok.run(C.ALLREDUCE, [np.ones(4, np.float32)] * 2)
+    np.testing.assert_array_equal(outs[1], np.full(4, 2.0, np.float32))
+
+
+def test_duplicate_gpu_bus_id_of_other_devices(daemon):
+    g = daemon.group(3, devices=[0, 2, 2])
+    for r in g.ranks:
+        r.ensure_arena(64)
+    for r in g.ranks:
+        r.post(C.BARRIER, 0)
+    for rep in g.replies():
+        assert isinstance(rep, s.Error)
+        assert rep.message == "Duplicate GPU detected : rank 1 and rank 2 both on CUDA device 3000"
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"numel": 8, "out_numel": 8}, {"dtype": "float16"}, {"op": C.BROADCAST}, {"reduce_op": R.MAX}],
+)
+def test_mismatch_errors_every_rank(daemon, change):
+    g = daemon.group(2)
+    for r in g.ranks:
+        r.ensure_arena(64)
+    args = {"op": C.ALLREDUCE, "numel": 4, "out_numel": 4, "dtype": "float32"}
+    reqs = [g.ranks[0].post(**args), g.ranks[1].post(**{**args, **change})]
+    for rep, req in zip(g.replies(), reqs):
+        assert isinstance(rep, s.Error), rep
+        assert rep.req == req and rep.code == "ncclInvalidUsage"
+        assert rep.message.startswith("Detected mismatch between collectives on ranks. Rank 0 is running collective:")
+        assert "CollectiveFingerPrint(SequenceNumber=1" in rep.message
+    if "numel" in change:
+        assert "TensorShape=[4]" in rep.message and "TensorShape=[8]" in rep.message
+    assert daemon.group(2).run(C.ALLREDUCE, [np.ones(2, np.float32)] * 2)[0].tolist() == [2.0, 2.0]
+
+
+def test_out_of_order_seq_fails_comm(daemon):
+    g = daemon.group(2)
+    for r in g.ranks:
+        r.ensure_arena(64)
+    g.run(C.BARRIER, None)
+    a = g.ranks[0]
+    a.post(C.BARRIER, 0, seq=1)  # already used
+    rep = a.client.recv()
+    assert isinstance(rep, s.Error) and "out of order" in rep.message
+
+
+def test_collective_before_comm_init(daemon):
+    g = daemon.group(2, join=False)
+    g.ranks[0].ensure_arena(64)
+    g.ranks[0].post(C.ALLREDUCE, 4, out_numel=4)
+    rep = g.ranks[0].client.recv()
+    assert isinstance(rep, s.Error) and rep.code == "ncclInvalidUsage" and "before joining" in rep.message
+
+
+def test_bad_comm_init(daemon):
+    c = daemon.client()
+    rep = c.call(s.CommInit(comm="x" * 32, rank=3, size=2))
+    assert isinstance(rep, s.Error) and rep.code == "ncclInvalidArgument"
+    assert isinstance(c.call(s.CommInit(comm="y" * 32, rank=0, size=2)), s.Ok)
+    rep = c.call(s.CommInit(comm="y" * 32, rank=1, size=3))
+    assert isinstance(rep, s.Error) and rep.code == "ncclInvalidUsage"
+
+
+def test_unsupported_dtype_and_bad_reduce_scatter(daemon):
+    for kw in ({"dtype": "complex64"}, {"op": C.REDUCE_SCATTER, "out_numel": 3}, {"dtype": "bool", "reduce_op": R.AVG}):
+        g = daemon.group(2)
+        for r in g.ranks:
+            r.ensure_arena(256)
+        args = {"op": C.ALLREDUCE, "numel": 4, "out_numel": 4, "dtype": "float32", **kw}
+        for r in g.ranks:
+            r.post(**args)
+        for rep in g.replies():
+            assert isinstance(rep, s.Error) and rep.code == "ncclInvalidArgument", (kw, rep)
+
+
+# ---------------------------------------------------------------- hostile input
+
+
+def test_wrong_token_is_refused_and_daemon_keeps_working(daemon):
+    c = daemon.client()
+    for token in ("", "nope", daemon.token + "x", daemon.token[:-1], daemon.token.upper() + "\u00e9"):
+        rep = c.call(s.Ping(), token=token)
+        assert isinstance(rep, s.Error) and rep.code == "protocol" and "token" in rep.message
+    # a request with a wrong token has no effect: this rank did not join
+    g = daemon.group(1, join=False)
+    rank = g.ranks[0]
+    rank.client.send(s.CommInit(comm=g.comm, rank=0, size=1), token="bad")
+    assert rank.client.recv().code == "protocol"
+    rank.ensure_arena(64)
+    rank.post(C.ALLREDUCE, 4, out_numel=4)
+    rep = rank.client.recv()
+    assert isinstance(rep, s.Error) and "before joining" in rep.message
+    # a collective with a wrong token is not counted as posted
+    g2 = daemon.group(2)
+    for r in g2.ranks:
+        r.ensure_arena(64)
+        r.write(0, np.ones(4, np.float32))
+    g2.ranks[0].client.send(
+        s.Collective(comm=g2.comm, rank=0, seq=1, numel=4, out_numel=4, device=0, arena=g2.ranks[0].arena.name),
+        token="bad",
+    )
+    assert g2.ranks[0].client.recv().code == "protocol"
+    outs = g2.run(C.ALLREDUCE, [np.ones(4, np.float32)] * 2)
+    np.testing.assert_array_equal(outs[0], np.full(4, 2.0, np.float32))
+
+
+def _malformed(token: str, n: int) -> list[bytes]:
+    gen = random.Random(1234)
+    good = json.loads(s.encode(s.Collective(token=token, req=1, comm="c" * 32, numel=4, arena="x")))
+    fixed = [
+        b"",
+        b"\x00",
+        b"[]",
+        b"1",
+        b"null",
+        b'"ping"',
+        b"true",
+        b"{}",
+        b"{",
+        b"\xff\xfe\x00",
+        b'{"v":1}',
+        b'{"v":2,"type":"ping"}',
+        b'{"type":"ping"}',
+        b'{"v":1,"type":"nonsense"}',
+        b'{"v":1,"type":["ping"]}',
+        b'{"v":1,"type":{"a":1}}',
+        b'{"v":1,"type":"ok","req":1}',
+        b'{"v":1,"type":"daemon_ready"}',
+        b'{"v":1,"type":"ping","token":5}',
+        b'{"v":1,"type":"ping","token":null}',
+        b'{"v":1,"type":"ping","req":"7"}',
+        b'{"v":1,"type":"ping","req":true}',
+        b'{"v":1,"type":"ping","req":1.5}',
+        b'{"v":1,"type":"ping","token":"\\ud800"}',
+        b'{"v":1,"type":"ping","token":"x"}',
+        b'{"v":1,"type":"ping","req":NaN}',
+        b'{"v":1,"type":"ping","req":1e999}',
+        b"[" * 100_000 + b"]" * 100_000,
+        b'{"a":' * 50_000 + b"1" + b"}" * 50_000,
+        b"{" + b" " * (2 << 20) + b"}",  # a 2 MiB frame
+        json.dumps({**good, "op": "gather"}).encode(),
+        json.dumps({**good, "reduce_op": "xor"}).encode(),
+        json.dumps({**good, "numel": "4"}).encode(),
+        json.dumps({**good, "rank": [0]}).encode(),
+        json.dumps({**good, "dtype": 32}).encode(),
+        json.dumps({**good, "op": None}).encode(),
+        json.dumps({**good, "op": ["allreduce"]}).encode(),
+        json.dumps({**good, "token": "wrong"}).encode(),
+    ]
+    out = list(fixed)
+    fields = list(good)
+    junk_values = [None, True, -1, 2**80, 1.5, "", "x" * 300, [], {}, [1, 2], {"k": "v"}, "\u0000", -(2**63)]
+    while len(out) < n:
+        kind = gen.randrange(4)
+        if kind == 0:  # random bytes
+            out.append(bytes(gen.randrange(256) for _ in range(gen.randrange(1, 200))))
+        elif kind == 1:  # a well-formed message with one field of the wrong type
+            body = dict(good)
+            body[gen.choice(fields)] = gen.choice(junk_values)
+            body["token"] = body["token"] if isinstance(body["token"], str) and gen.random() < 0.5 else "bad"
+            out.append(json.dumps(body).encode())
+        elif kind == 2:  # truncated
+            raw = s.encode(s.Ping(token=token, req=9))
+            out.append(raw[: gen.randrange(len(raw))])
+        else:  # non-object JSON
+            out.append(json.dumps(gen.choice([[1, 2], 3, "s", None, 2.5, [{"v": 1, "type": "ping"}]])).encode())
+    return out[:n]
+
+
+def test_malformed_messages_each_get_an_error(fresh_daemon):
+    d = fresh_daemon
+    c = d.client()
+    msgs = _malformed("bad-token", 1000)
+    assert len(msgs) == 1000
+    for i, raw in enumerate(msgs):
+        c.send_raw(raw)
+        rep = c.recv()
+        assert isinstance(rep, s.Error), (i, raw[:80], rep)
+        assert rep.code == "protocol", (i, raw[:80], rep)
+    # multi-frame messages: refused too
+    for frames in ([b"a", b"b"], [s.encode(s.Ping(token=d.token, req=5)), b""], [b""] * 5):
+        c.send_raw(*frames)
+        rep = c.recv()
+        assert isinstance(rep, s.Error) and rep.code == "protocol" and "one frame" in rep.message
+    assert isinstance(c.call(s.Ping()), s.Ok)
+    g = d.group(2)
+    outs = g.run(C.ALLREDUCE, [np.arange(8, dtype=np.float32)] * 2)
+    np.testing.assert_array_equal(outs[0], np.arange(8, dtype=np.float32) * 2)
+
+
+def test_malformed_messages_pipelined(fresh_daemon):
+    # the same abuse, sent all at once by many clients
+    d = fresh_daemon
+    clients = [d.client() for _ in range(8)]
+    msgs = _malformed(d.token, 400)
+    for i, raw in enumerate(msgs):
+        clients[i % 8].send_raw(raw)
+    for i, c in enumerate(clients):
+        for _ in range(len(msgs[i::8])):
+            assert isinstance(c.recv(), s.Error)
+        assert not c.has_reply(0.05)
+    g = d.group(3)
+    outs = g.run(C.ALLGATHER, [np.full(2, r, np.int32) for r in range(3)], dtype="int32")
+    assert outs[2].tolist() == [0, 0, 1, 1, 2, 2]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "../etc/passwd",
+        "/etc/passwd",
+        "mirage-deadbeef-r0",
+        "mirage-{session}-../../../etc/passwd",
+        "mirage-{session}",
+        "mirage-{session}-",
+        "mirage-{session}-missing",
+        "mirage-{session}x-r0",
+        "",
+    ],
+)
+def test_arena_outside_session_is_refused(daemon, name):
+    name = name.format(session=daemon.session)
+    g = daemon.group(2)
+    g.ranks[1].ensure_arena(64)
+    reqs = [g.ranks[0].post(C.ALLREDUCE, 4, out_numel=4, arena=name), g.ranks[1].post(C.ALLREDUCE, 4, out_numel=4)]
+    for rep, req in zip(g.replies(), reqs):
+        assert isinstance(rep, s.Error) and rep.req == req and rep.code == "ncclInvalidArgument", rep
+    assert os.path.exists("/etc/passwd")
+    assert daemon.group(1).run(C.BROADCAST, [np.ones(3, np.float32)])[0].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_other_sessions_arena_is_refused_even_if_it_exists(daemon):
+    other = "0123abcd" if daemon.session != "0123abcd" else "0123abce"
+    foreign = daemon.track(Arena.create(arena_name(other, "r0"), 64))
+    foreign.bytes_view(0, 16).view(np.float32)[:] = 7.0
+    g = daemon.group(1)
+    g.ranks[0].post(C.ALLREDUCE, 4, out_numel=4, arena=foreign.name)
+    rep = g.ranks[0].client.recv()
+    assert isinstance(rep, s.Error) and "not a shared-memory segment of session" in rep.message
+    assert foreign.bytes_view(0, 16).view(np.float32).tolist() == [7.0] * 4
+
+
+def test_out_of_bounds_offsets_are_refused(daemon):
+    for kw in ({"in_off": 60}, {"in_off": -4}, {"out_off": 1 << 40}, {"numel": 1 << 50, "out_numel": 1 << 50}):
+        g = daemon.group(1)
+        g.ranks[0].ensure_arena(64)  # 4096 bytes at least
+        args = {"numel": 4, "out_numel": 4, "in_off": 0, "out_off": 16, **kw}
+        if "in_off" in kw and kw["in_off"] == 60:
+            args["numel"] = args["out_numel"] = 1024
+        g.ranks[0].post(C.ALLREDUCE, **args)
+        rep = g.ranks[0].client.recv()
+        assert isinstance(rep, s.Error) and rep.code == "ncclInvalidArgument" and "outside arena" in rep.message, rep
+
+
+def test_vanished_client_does_not_block_daemon(fresh_daemon):
+    d = fresh_daemon
+    g = d.group(2)
+    for r in g.ranks:
+        r.ensure_arena(64)
+    g.ranks[0].post(C.ALLREDUCE, 4, out_numel=4)
+    g.ranks[0].client.close()  # rank 0 dies waiting
+    g.ranks[1].post(C.ALLREDUCE, 4, out_numel=4)
+    assert isinstance(g.ranks[1].client.recv(), s.Done)
+
+
+def test_daemon_stops_on_sigterm(fresh_daemon):
+    d = fresh_daemon
+    d.proc.terminate()
+    assert d.proc.wait(TIMEOUT_S) == 0
+    d.alive = lambda: True  # stopped on purpose: the survival check does not apply
+
+
+def test_events_are_valid_messages(daemon):
+    ev = Events(daemon)
+    try:
+        g = daemon.group(2)
+        g.run(C.ALLREDUCE, [np.ones(4, np.float32)] * 2)
+        bad = daemon.client()
+        bad.send_raw(b"junk")
+        bad.recv()
+        got = ev.until(lambda e: isinstance(e, s.ProtocolError))
+    finally:
+        ev.close()
+    types = [e.TYPE for e in got]
+    for t in ("comm_joined", "coll_enqueued", "coll_started", "coll_completed", "protocol_error"):
+        assert t in types
+    assert isinstance(got[-1], s.ProtocolError) and "malformed" in got[-1].message
