@@ -90,7 +90,8 @@ class Daemon:
             return self.refuse(client, 0, f"malformed request: {e}")
         if not isinstance(msg, s.Request):
             return self.refuse(client, 0, f"{msg.TYPE!r} is not a request")
-        if not hmac.compare_digest(msg.token.encode(), self.token.encode()):
+        # surrogatepass: JSON may carry a lone surrogate ("\ud800"), which strict utf-8 refuses
+        if not hmac.compare_digest(msg.token.encode("utf-8", "surrogatepass"), self.token.encode()):
             return self.refuse(client, msg.req, "unauthorized: wrong or missing session token")
         try:
             if isinstance(msg, s.Ping):

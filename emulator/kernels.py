@@ -76,20 +76,26 @@ _BOOL_BINARY = {
 }
 
 
+def check_reduce(op: ReduceOp, dtype: str) -> None:
+    """Raise :class:`KernelError` unless ``op`` can reduce ``dtype`` (checked before a job runs)."""
+    itemsize(dtype)
+    if dtype == "bool" and op not in _BOOL_BINARY:
+        raise KernelError(f"reduce op {op.value} is not defined for bool")
+
+
 def reduce(parts: list[np.ndarray], op: ReduceOp, dtype: str) -> np.ndarray:
     """Reduce equally-shaped typed views element-wise; returns a new array."""
-    if dtype == "bool":
-        fn = _BOOL_BINARY.get(op)
-        if fn is None:
-            raise KernelError(f"reduce op {op.value} is not defined for bool")
-    else:
-        fn = _BINARY[op]
+    check_reduce(op, dtype)
+    fn = _BOOL_BINARY[op] if dtype == "bool" else _BINARY[op]
     acc = np.array(_to_compute(parts[0], dtype), copy=True)
     for p in parts[1:]:
         fn(acc, _to_compute(p, dtype), out=acc)
     if op is ReduceOp.AVG:
         if acc.dtype.kind in "iu":
+            # NCCL divides integer sums as C does, truncating toward zero; // floors
+            inexact_neg = (acc < 0) & (acc % len(parts) != 0)
             acc //= len(parts)
+            acc += inexact_neg
         else:
             acc /= len(parts)
     return _from_compute(acc, dtype)

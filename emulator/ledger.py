@@ -92,10 +92,16 @@ class Ledger:
         slot[req.rank] = Posted(client, req)
         if len(slot) < comm.size:
             return comm, None
-        del comm.posted[req.seq]
         matched = [slot[r] for r in range(comm.size)]
-        self._check_devices(comm, matched)
-        self._check_match(matched)
+        try:
+            self._check_devices(comm, matched)
+            self._check_match(matched)
+        except CommError:
+            # the other ranks stay in the slot so ``fail`` finds and answers
+            # them; the poster is answered by the caller
+            del slot[req.rank]
+            raise
+        del comm.posted[req.seq]
         return comm, matched
 
     def complete(self, comm: Communicator, seq: int) -> None:

@@ -106,6 +106,8 @@ def make_job(comm: Communicator, posted: list[Posted], arena_of: Callable[[str],
         CollOp.REDUCE_SCATTER: (n, req.out_numel, n),
         CollOp.BARRIER: (0, 0, 0),
     }[req.op]
+    if req.op in (CollOp.ALLREDUCE, CollOp.REDUCE_SCATTER):
+        kernels.check_reduce(req.reduce_op, req.dtype)  # here, not mid-wave where it would stop the daemon
     if req.op is CollOp.REDUCE_SCATTER and req.out_numel * world != n:
         raise kernels.KernelError(f"reduce_scatter input of {n} elements does not split into {world} x {req.out_numel}")
     inputs, outputs = [], []

@@ -329,13 +329,14 @@ def decode(data: bytes | str) -> Message:
         raise SchemaError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
     try:
         body = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise SchemaError(f"not JSON: {e}") from None
     if not isinstance(body, dict):
         raise SchemaError("message must be a JSON object")
     if body.get("v") != VERSION:
         raise SchemaError(f"unsupported version {body.get('v')!r}, expected {VERSION}")
-    cls = _REGISTRY.get(body.get("type"))  # type: ignore[arg-type]
+    kind = body.get("type")
+    cls = _REGISTRY.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise SchemaError(f"unknown message type {body.get('type')!r}")
     hints = _hints(cls)

@@ -84,6 +84,13 @@ class Events:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SUBSCRIBE, b"")
         self.sock.connect(daemon.events_endpoint)
+        try:
+            self._sync(daemon)
+        except BaseException:
+            self.sock.close(0)
+            raise
+
+    def _sync(self, daemon: DaemonProcess) -> None:
         # PUB drops what it sends before the subscription arrives: ping until
         # our own daemon_ready comes through, then everything after is seen
         pinger = daemon.client()
@@ -331,43 +338,48 @@ class DaemonProcess:
             return ""
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        for g in self.groups:
-            g.close()
-        for c in self._clients:
-            c.close()
-        for a in self._arenas:
-            a.close()
-            a.unlink()
-        for path in session_segments(self.session):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-        self.ctx.term()
-        self._stderr.close()
-        shutil.rmtree(self.run_dir, ignore_errors=True)
+        """Terminate the daemon and remove everything it and the test left behind."""
+        try:
+            if self.proc.poll() is None:
+                self.proc.terminate()
+                try:
+                    self.proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait(5)
+        finally:
+            for a in [a for g in self.groups for r in g.ranks if (a := r.arena)] + self._arenas:
+                a.close()
+                a.unlink()
+            for path in session_segments(self.session):
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+            # destroy, not term: a socket a failed test left open must not hang teardown
+            self.ctx.destroy(linger=0)
+            self._stderr.close()
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
 # ------------------------------------------------------------ bfloat16 reference
 
 
 def bf16_bits(x: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 bits, round to nearest even (reference, via float64)."""
+    """float32 -> bfloat16 bits, round to nearest even (a reference independent of the kernels)."""
     x = np.asarray(x, np.float32)
-    lo = (x.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
-    hi_bits = (lo.view(np.uint32) + np.uint32(0x10000)).view(np.float32)
-    d_lo = np.abs(x.astype(np.float64) - lo.astype(np.float64))
-    d_hi = np.abs(hi_bits.astype(np.float64) - x.astype(np.float64))
-    lo16 = (lo.view(np.uint32) >> 16).astype(np.uint16)
-    take_hi = (d_hi < d_lo) | ((d_hi == d_lo) & (lo16 & 1 == 1))
-    return np.where(take_hi, lo16 + np.uint16(1), lo16).astype(np.uint16)
+    u = x.view(np.uint32)
+    lo16 = (u >> 16).astype(np.uint16)  # truncation: the candidate toward zero
+    with np.errstate(invalid="ignore", over="ignore"):
+        lo = (u & np.uint32(0xFFFF0000)).view(np.float32).astype(np.float64)
+        hi32 = ((u & np.uint32(0xFFFF0000)) + np.uint32(0x10000)).view(np.float32)
+        # one step past bf16's largest finite value is 2^128 (which rounds to inf)
+        hi = np.where(np.isinf(hi32), np.sign(x.astype(np.float64)) * 2.0**128, hi32.astype(np.float64))
+        d_lo = np.abs(x.astype(np.float64) - lo)
+        d_hi = np.abs(hi - x.astype(np.float64))
+    take_hi = np.isfinite(x) & ((d_hi < d_lo) | ((d_hi == d_lo) & (lo16 & 1 == 1)))
+    out = np.where(take_hi, lo16 + np.uint16(1), lo16).astype(np.uint16)
+    return np.where(np.isnan(x), lo16 | np.uint16(0x0040), out).astype(np.uint16)  # NaN stays (quiet) NaN
 
 
 def bf16_to_f32(bits: np.ndarray) -> np.ndarray:

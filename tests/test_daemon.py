@@ -13,7 +13,6 @@ import random
 
 import numpy as np
 import pytest
-import zmq
 
 from daemon_client import TIMEOUT_S, DaemonProcess, Events, bf16_bits, bf16_to_f32
 from emulator import schema as s
@@ -39,18 +38,21 @@ def fresh_daemon():
     d = DaemonProcess()
     try:
         yield d
+        _check_survived(d)
     finally:
         d.stop()
+
+
+def _check_survived(d: DaemonProcess) -> None:
+    assert d.alive(), f"daemon died:\n{d.stderr()}"
+    assert "Traceback" not in d.stderr(), d.stderr()
 
 
 @pytest.fixture(autouse=True)
 def _daemon_survives(request):
     yield
-    for name in ("daemon", "fresh_daemon"):
-        if name in request.fixturenames:
-            d = request.getfixturevalue(name)
-            assert d.alive(), f"daemon died:\n{d.stderr()}"
-            assert "Traceback" not in d.stderr(), d.stderr()
+    if "daemon" in request.fixturenames:
+        _check_survived(request.getfixturevalue("daemon"))
 
 
 def rng(seed=0):
@@ -60,7 +62,7 @@ def rng(seed=0):
 # ---------------------------------------------------------------- collectives
 
 
-def test_daemon_publishes_nothing_secret_and_runs_in_private_dir(daemon):
+def test_daemon_runs_in_private_dir_without_token_in_argv(daemon):
     assert os.stat(daemon.run_dir).st_mode & 0o777 == 0o700
     assert os.path.exists(os.path.join(daemon.run_dir, "rpc.sock"))
     assert os.path.exists(os.path.join(daemon.run_dir, "events.sock"))
@@ -217,22 +219,32 @@ def test_many_sequential_allreduces_complete_in_order(daemon):
 
 
 def test_two_communicators_interleave(daemon):
-    # one big job must not block a small one on another communicator
-    big, small = daemon.group(2), daemon.group(2)
-    numel = (40 << 20) // 4
-    for r in big.ranks:
-        r.ensure_arena(numel * 4)
-        r.write(0, np.ones(numel, np.float32))
-    for r in small.ranks:
-        r.ensure_arena(64)
-        r.write(0, np.ones(4, np.float32))
-    for r in big.ranks:
-        r.post(C.ALLREDUCE, numel, out_numel=numel)
-    for r in small.ranks:
-        r.post(C.ALLREDUCE, 4, out_numel=4)
-    assert all(isinstance(x, s.Done) for x in small.replies())
-    assert not any(r.client.has_reply() for r in big.ranks)  # the big one is still running
-    assert all(isinstance(x, s.Done) for x in big.replies())
+    # a big job must not hold back a small one posted after it on another communicator
+    events = Events(daemon)
+    try:
+        big, small = daemon.group(2), daemon.group(2)
+        numel = (40 << 20) // 4
+        for r in big.ranks:
+            r.ensure_arena(numel * 4)
+            r.write(0, np.ones(numel, np.float32))
+        for r in small.ranks:
+            r.ensure_arena(64)
+            r.write(0, np.ones(4, np.float32))
+        # small's second half goes out right after big's: both land in one poll
+        small.ranks[0].post(C.ALLREDUCE, 4, out_numel=4)
+        for r in big.ranks:
+            r.post(C.ALLREDUCE, numel, out_numel=numel)
+        small.ranks[1].post(C.ALLREDUCE, 4, out_numel=4)
+        assert all(isinstance(x, s.Done) for x in small.replies())
+        assert all(isinstance(x, s.Done) for x in big.replies())
+        seen = events.until(lambda e: isinstance(e, s.CollectiveCompleted) and e.comm == big.comm)
+    finally:
+        events.close()
+    order = [(e.TYPE, e.comm) for e in seen if isinstance(e, (s.CollectiveStarted, s.CollectiveCompleted))]
+    big_done = order.index(("coll_completed", big.comm))
+    if order.index(("coll_started", small.comm)) < big_done:  # always, unless this process stalled for ~30 ms
+        assert order.index(("coll_completed", small.comm)) < big_done, order
+    assert any(isinstance(e, s.CollectiveProgress) and e.comm == big.comm for e in seen)
     assert big.ranks[0].read(0, numel, np.float32).min() == 2.0
     np.testing.assert_array_equal(small.ranks[1].read(0, 4, np.float32), np.full(4, 2.0, np.float32))
 
@@ -522,11 +534,15 @@ def test_vanished_client_does_not_block_daemon(fresh_daemon):
     assert isinstance(g.ranks[1].client.recv(), s.Done)
 
 
-def test_daemon_stops_on_sigterm(fresh_daemon):
-    d = fresh_daemon
-    d.proc.terminate()
-    assert d.proc.wait(TIMEOUT_S) == 0
-    d.alive = lambda: True  # stopped on purpose: the survival check does not apply
+def test_daemon_stops_cleanly_on_sigterm():
+    d = DaemonProcess()
+    try:
+        d.group(2).run(C.BARRIER, None)
+        d.proc.terminate()
+        assert d.proc.wait(TIMEOUT_S) == 0
+        assert "Traceback" not in d.stderr()
+    finally:
+        d.stop()
 
 
 def test_events_are_valid_messages(daemon):
