@@ -78,6 +78,10 @@ class Daemon:
         arena = self.arenas.get(name)
         if arena is None:
             check_name(name, self.session)
+            # a rank that grew its arena unlinked the old generation: let go of our mapping too
+            owner = name.rsplit("-g", 1)[0] + "-g"
+            for old in [n for n in self.arenas if n.startswith(owner)]:
+                self.arenas.pop(old).close()
             arena = self.arenas[name] = Arena.open(name)
         return arena
 
@@ -178,6 +182,10 @@ class Daemon:
     def finish(self, job: Job) -> None:
         req = job.first
         self._last_progress.pop(id(job), None)
+        if job.error is not None:
+            traceback.print_exception(job.error)
+            err = CommError("ncclInternalError", f"collective #{req.seq} ({req.op.value}) failed in the emulator: {job.error}")
+            return self.fail(job.comm, err, extra=job.posted)
         self.ledger.complete(job.comm, req.seq)
         for p in job.posted:
             self.reply(p.client, s.Done(req=p.request.req, comm=req.comm, seq=req.seq))

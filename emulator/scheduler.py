@@ -38,6 +38,7 @@ class Job:
     run_range: Callable[[Job, int, int], None]
     done: int = 0
     started: float = field(default_factory=time.monotonic)
+    error: Exception | None = None  # set when a kernel raised; the job is then finished
 
     @property
     def first(self):
@@ -127,42 +128,66 @@ def make_job(comm: Communicator, posted: list[Posted], arena_of: Callable[[str],
 
 
 class WaveScheduler:
-    """Round-robin over runnable jobs, one chunk each, until the wave budget is spent."""
+    """Round-robin over communicators, one chunk at a time, until the wave budget is spent.
+
+    Each communicator's collectives run in the order they were matched, as
+    kernels on one NCCL stream do: a later collective never overtakes an
+    earlier one of the same communicator.
+    """
 
     def __init__(self, chunk_bytes: int = CHUNK_BYTES, wave_bytes: int = WAVE_BYTES):
         self.chunk_bytes = chunk_bytes
         self.wave_bytes = wave_bytes
-        self.jobs: deque[Job] = deque()
+        self._queues: dict[int, deque[Job]] = {}  # id(comm) -> its jobs, oldest first
+        self._turns: deque[int] = deque()  # whose chunk is next
 
     @property
     def busy(self) -> bool:
-        return bool(self.jobs)
+        return bool(self._turns)
+
+    @property
+    def jobs(self) -> list[Job]:
+        """Every queued job, communicator by communicator."""
+        return [job for queue in self._queues.values() for job in queue]
 
     def submit(self, job: Job) -> None:
-        self.jobs.append(job)
+        key = id(job.comm)
+        if key not in self._queues:
+            self._queues[key] = deque()
+            self._turns.append(key)
+        self._queues[key].append(job)
 
     def run_wave(self) -> tuple[list[Job], list[Job]]:
-        """Run one wave; return (jobs that progressed, jobs that finished)."""
+        """Run one wave; return (jobs that progressed, jobs that finished or failed)."""
         spent = 0
         touched: dict[int, Job] = {}
         finished: list[Job] = []
-        while self.jobs and spent < self.wave_bytes:
-            job = self.jobs.popleft()
-            step = max(1, self.chunk_bytes // job.itemsize)
-            b = min(job.total, job.done + step)
-            if b > job.done:
-                job.run_range(job, job.done, b)
+        while self._turns and spent < self.wave_bytes:
+            key = self._turns[0]
+            self._turns.rotate(-1)
+            queue = self._queues[key]
+            job = queue[0]
+            b = min(job.total, job.done + max(1, self.chunk_bytes // job.itemsize))
+            try:
+                if b > job.done:
+                    job.run_range(job, job.done, b)
+            except Exception as e:  # a kernel bug fails one collective, not the daemon
+                job.error = e
+                b = job.total
             spent += (b - job.done) * job.itemsize
             job.done = b
             touched[id(job)] = job
             if job.done >= job.total:
                 finished.append(job)
-            else:
-                self.jobs.append(job)
+                queue.popleft()
+                if not queue:
+                    del self._queues[key]
+                    self._turns.remove(key)
         return list(touched.values()), finished
 
     def drop(self, comm: Communicator) -> list[Job]:
         """Remove every job of a failed communicator."""
-        gone = [j for j in self.jobs if j.comm is comm]
-        self.jobs = deque(j for j in self.jobs if j.comm is not comm)
+        gone = list(self._queues.pop(id(comm), ()))
+        if gone:
+            self._turns.remove(id(comm))
         return gone

@@ -301,3 +301,32 @@ def test_make_job_validates(fx):
     bad = [Posted(p.client, Collective(**{**p.request.__dict__, "in_off": 4096})) for p in job.posted]
     with pytest.raises(ArenaError, match="outside arena"):
         make_job(job.comm, bad, fx.arena_of)
+
+
+def test_collectives_of_one_communicator_run_in_order(fx):
+    sched = WaveScheduler(chunk_bytes=400, wave_bytes=800)
+    first, _ = fx.job(C.ALLREDUCE, [np.ones(1000, np.float32)] * 2)
+    second, _ = fx.job(C.ALLREDUCE, [np.ones(10, np.float32)] * 2)
+    second.comm = first.comm  # same stream: the small one must wait for the big one
+    other, _ = fx.job(C.ALLREDUCE, [np.ones(10, np.float32)] * 2)
+    for j in (first, second, other):
+        sched.submit(j)
+    order = [j for _, fin in drain(sched) for j in fin]
+    assert order.index(first) < order.index(second)
+    assert order.index(other) < order.index(first)  # another communicator is not held up
+
+
+def test_a_failing_kernel_fails_its_job_only(fx):
+    sched = WaveScheduler()
+    bad, _ = fx.job(C.ALLREDUCE, [np.ones(10, np.float32)] * 2)
+    good, _ = fx.job(C.ALLREDUCE, [np.ones(10, np.float32)] * 2)
+
+    def boom(job, a, b):
+        raise FloatingPointError("kernel fault")
+
+    bad.run_range = boom
+    sched.submit(bad)
+    sched.submit(good)
+    _, finished = sched.run_wave()
+    assert finished == [bad, good]
+    assert isinstance(bad.error, FloatingPointError) and good.error is None
