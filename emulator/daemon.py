@@ -131,6 +131,14 @@ class Daemon:
         )
 
     def post(self, client: bytes, req: s.Collective) -> None:
+        if not 0 <= req.device < self.gpus_per_node:
+            err = CommError(
+                "ncclInvalidArgument", f"device {req.device} is not one of this node's {self.gpus_per_node} GPUs"
+            )
+            comm = self.ledger.comms.get(req.comm)
+            if comm is None:
+                raise err
+            return self.fail(comm, err, extra=[Posted(client, req)])
         self.publish(
             s.CollectiveEnqueued(
                 comm=req.comm, seq=req.seq, rank=req.rank, op=req.op, dtype=req.dtype,

@@ -13,6 +13,7 @@ import os
 import socket
 import sys
 import threading
+import time
 import uuid
 from datetime import timedelta
 
@@ -166,17 +167,30 @@ class MirageProcessGroup(dist.ProcessGroup):
         with self._lock:
             self._seq += 1
             seq = self._seq
-        reply = self._client.request(
-            s.Collective(
+        request = s.Collective(
                 comm=self._comm, seq=seq, rank=self._rank, op=op, reduce_op=reduce_op,
                 dtype=str(dtype).removeprefix("torch."), numel=numel, out_numel=out_numel, root=root,
                 device=device, arena=arena.name, in_off=0, out_off=0 if same else out_off, site=_call_site(),
-            ),
-            timeout_s=self._timeout.total_seconds(),
         )
+        started = time.monotonic()
+        try:
+            reply = self._client.request(request, timeout_s=self._timeout.total_seconds())
+        except TimeoutError:
+            raise self._watchdog_timeout(request, time.monotonic() - started) from None
         if isinstance(reply, s.Error):
             raise _nccl_error(reply.code, reply.message, device)
         return staged if same else cl.arena_tensor(arena, out_off, out_numel, dtype)
+
+    def _watchdog_timeout(self, req: s.Collective, waited_s: float) -> dist.DistBackendError:
+        """ProcessGroupNCCL's watchdog message, which is what users grep their logs for."""
+        timeout_ms = int(self._timeout.total_seconds() * 1000)
+        text = (
+            f"[Rank {self._rank}] Watchdog caught collective operation timeout: WorkNCCL(SeqNum={req.seq}, "
+            f"OpType={req.op.name}, NumelIn={req.numel}, NumelOut={req.out_numel}, Timeout(ms)={timeout_ms}) "
+            f"ran for {int(waited_s * 1000)} milliseconds before timing out."
+        )
+        print(text, file=sys.stderr, flush=True)
+        return dist.DistBackendError(text)
 
     def _done(self, result) -> dist.Work:
         fut = Future()

@@ -20,19 +20,23 @@ if str(REPO_ROOT) not in sys.path:
 # ---------------------------------------------------------------- orphans
 
 import os  # noqa: E402
+import re  # noqa: E402
+import time  # noqa: E402
 
 import psutil  # noqa: E402
 import pytest  # noqa: E402
 
+_RUN_DIR = re.compile(r"^\d{8}-\d{6}-([0-9a-f]{8})$")
 
-def session_processes() -> list[str]:
-    """Processes (other than this one) whose environment carries a mirage session id."""
+
+def session_processes(sessions: set[str]) -> list[str]:
+    """Processes (other than this one) whose environment carries one of ``sessions``."""
     found = []
     for p in psutil.process_iter(["pid", "cmdline"]):
         if p.pid == os.getpid():
             continue
         try:
-            if "MIRAGE_SESSION" in p.environ():
+            if p.environ().get("MIRAGE_SESSION") in sessions:
                 found.append(f"{p.pid} {' '.join(p.info['cmdline'] or [])[:120]}")
         except (psutil.Error, OSError):
             continue
@@ -40,8 +44,14 @@ def session_processes() -> list[str]:
 
 
 @pytest.fixture
-def no_orphans():
-    """Fail the test if any process of a mirage session outlives it."""
+def no_orphans(tmp_path):
+    """Fail the test if any process of a session it ran (run dirs under tmp_path) outlives it."""
     yield
-    left = session_processes()
+    sessions = {m.group(1) for d in tmp_path.rglob("*") if (m := _RUN_DIR.match(d.name))}
+    left = session_processes(sessions)
+    if left:  # give processes that are mid-exit a moment, then look again
+        time.sleep(2)
+        left = session_processes(sessions)
     assert not left, f"processes left behind: {left}"
+    shm = [n for n in os.listdir("/dev/shm") if any(n.startswith(f"mirage-{s}-") for s in sessions)]
+    assert not shm, f"shared memory left behind: {shm}"

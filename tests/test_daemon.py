@@ -560,3 +560,18 @@ def test_events_are_valid_messages(daemon):
     for t in ("comm_joined", "coll_enqueued", "coll_started", "coll_completed", "protocol_error"):
         assert t in types
     assert isinstance(got[-1], s.ProtocolError) and "malformed" in got[-1].message
+
+
+def test_device_outside_the_node_is_refused(daemon):
+    """A collective on a GPU the node does not have fails its communicator; the daemon lives on."""
+    g = daemon.group(2, devices=[0, 7])
+    for r in g.ranks:
+        r.ensure_arena(64)
+    for r in g.ranks:
+        r.post(C.ALLREDUCE, 4, out_numel=4)
+    for rep in g.replies():
+        assert isinstance(rep, s.Error), rep
+        assert rep.message == "device 7 is not one of this node's 4 GPUs"
+    ok = daemon.group(2)
+    outs = ok.run(C.ALLREDUCE, [np.ones(4, np.float32)] * 2)
+    np.testing.assert_array_equal(outs[0], np.full(4, 2.0, np.float32))

@@ -178,3 +178,11 @@ def test_collectives_on_three_ranks(tmp_path):
                    str(FIXTURES / "collectives_check.py"))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "[0] collectives_ok" in r.stdout
+
+
+def test_collective_timeout_uses_the_watchdog_wording(tmp_path):
+    r = mirage_run(tmp_path, "--gpus-per-node", "2", "--", "torchrun", "--standalone", "--nproc_per_node=2",
+                   str(FIXTURES / "late_rank.py"))
+    assert r.returncode != 0
+    assert ("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=1, OpType=ALLREDUCE, "
+            "NumelIn=4, NumelOut=4, Timeout(ms)=2000) ran for") in r.stderr
