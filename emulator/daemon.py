@@ -22,6 +22,7 @@ import zmq
 
 from emulator import schema as s
 from emulator.arena import Arena, ArenaError, check_name
+from emulator.hang import HangDetector
 from emulator.kernels import KernelError
 from emulator.ledger import CommError, Communicator, Ledger, Posted
 from emulator.scheduler import Job, WaveScheduler, make_job
@@ -30,6 +31,7 @@ RPC_SOCKET = "rpc.sock"
 EVENT_SOCKET = "events.sock"
 #: How often progress events go out for one collective, at most.
 PROGRESS_INTERVAL_S = 0.05
+HANG_SCAN_INTERVAL_S = 0.1
 
 
 def endpoints(run_dir: str) -> tuple[str, str]:
@@ -40,7 +42,8 @@ def endpoints(run_dir: str) -> tuple[str, str]:
 class Daemon:
     """Serves one session until stopped (SIGTERM, or its parent going away)."""
 
-    def __init__(self, run_dir: str, session: str, token: str, profile: str, nodes: int, gpus_per_node: int):
+    def __init__(self, run_dir: str, session: str, token: str, profile: str, nodes: int, gpus_per_node: int,
+                 hang_timeout_s: float = 30.0):
         self.session = session
         self.token = token
         self.profile = profile
@@ -59,6 +62,7 @@ class Daemon:
         self.pub.bind(events)
         self.ledger = Ledger()
         self.scheduler = WaveScheduler()
+        self.hangs = HangDetector(hang_timeout_s)
         self.arenas: dict[str, Arena] = {}
         self.running = True
         self._last_progress: dict[int, float] = {}
@@ -209,6 +213,7 @@ class Daemon:
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         parent = os.getppid()
+        next_scan = 0.0
         self.publish_ready()
         while self.running:
             busy = self.scheduler.busy
@@ -228,6 +233,11 @@ class Daemon:
                         self.reply(frames[0], s.Error(code="ncclInternalError", message="daemon internal error"))
             if self.scheduler.busy:
                 self.run_wave()
+            now = time.monotonic()
+            if now >= next_scan:  # cheap, but not on every busy iteration
+                next_scan = now + HANG_SCAN_INTERVAL_S
+                for finding in self.hangs.scan(self.ledger, now):
+                    self.publish(finding)
             if os.getppid() != parent:
                 break  # the session is gone: nobody is left to serve
 
@@ -249,10 +259,11 @@ def _die_with_parent() -> None:
         pass
 
 
-def run(run_dir: str, session: str, token: str, profile: str, nodes: int, gpus_per_node: int) -> int:
+def run(run_dir: str, session: str, token: str, profile: str, nodes: int, gpus_per_node: int,
+        hang_timeout_s: float) -> int:
     """Entry point used by ``python -m emulator``."""
     _die_with_parent()
-    daemon = Daemon(run_dir, session, token, profile, nodes, gpus_per_node)
+    daemon = Daemon(run_dir, session, token, profile, nodes, gpus_per_node, hang_timeout_s)
 
     def stop(signum, frame):
         daemon.running = False

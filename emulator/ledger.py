@@ -9,6 +9,7 @@ enqueued and completed, which is what the hang detector will read.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from emulator.schema import CollOp, Collective, CommInit
@@ -29,6 +30,7 @@ class Posted:
 
     client: bytes
     request: Collective
+    at: float = field(default_factory=time.monotonic)  # when this rank arrived
 
 
 @dataclass

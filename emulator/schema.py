@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 import time
 import typing
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from typing import ClassVar
 VERSION = 1
 #: Largest request the daemon will parse; tensors never travel inline.
 MAX_MESSAGE_BYTES = 1 << 20
+#: Sent to a rank process to make it append its Python stacks to ``ranks/rank-<r>.stacks``.
+STACK_SIGNAL = signal.SIGUSR1
 
 
 class SchemaError(ValueError):
@@ -250,6 +253,41 @@ class CommFailed(Event):
 
 
 @dataclass(frozen=True)
+class HangDetected(Event):
+    """Collective ``seq`` of ``comm``: some ranks joined ``waited_s`` ago, others never came.
+
+    Ranks are global ranks; ``sites`` pairs with ``joined`` (where each joined
+    rank called the collective), ``last_enqueued``/``last_completed`` pair with
+    ``missing`` (the last sequence numbers those ranks posted and finished).
+    """
+
+    TYPE: ClassVar[str] = "hang"
+    comm: str = ""
+    seq: int = 0
+    op: CollOp = CollOp.ALLREDUCE
+    dtype: str = "float32"
+    numel: int = 0
+    size: int = 0
+    waited_s: float = 0.0
+    joined: list[int] = field(default_factory=list)
+    sites: list[str] = field(default_factory=list)
+    missing: list[int] = field(default_factory=list)
+    last_enqueued: list[int] = field(default_factory=list)
+    last_completed: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class HangReport(Event):
+    """The session's diagnosis of a hang (rendered text; JSON in ``path``)."""
+
+    TYPE: ClassVar[str] = "hang_report"
+    comm: str = ""
+    seq: int = 0
+    text: str = ""
+    path: str = ""
+
+
+@dataclass(frozen=True)
 class ProtocolError(Event):
     """The daemon refused a message (bad token, malformed, out of order)."""
 
@@ -308,6 +346,11 @@ _HINTS: dict[type, dict[str, object]] = {}
 
 
 def _check(name: str, hint: object, value: object) -> object:
+    if typing.get_origin(hint) is list:
+        (item,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            raise SchemaError(f"field {name!r}: expected a list, got {type(value).__name__}")
+        return [_check(f"{name}[]", item, v) for v in value]
     if isinstance(hint, type) and issubclass(hint, Enum):
         try:
             return hint(value)

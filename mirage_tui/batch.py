@@ -19,6 +19,8 @@ def _print_event(event: s.Event) -> None:
         out = sys.stdout if event.stream is s.Stream.STDOUT else sys.stderr
         out.write(f"{prefix} {event.text}\n")
         out.flush()
+    elif isinstance(event, s.HangReport):
+        print(f"mirage: {event.text}", file=sys.stderr, flush=True)
     elif isinstance(event, s.CommFailed):
         print(f"mirage: communicator {event.comm[:8]} failed: {event.code}: {event.message}", file=sys.stderr, flush=True)
 

@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 
 from emulator.profiles import DEFAULT_PROFILE, list_profiles
 from mirage_tui import __version__
-from mirage_tui.topology import Topology, UsageError, parse_env, validate
+from mirage_tui.topology import DEFAULT_HANG_TIMEOUT_S, OnHang, Topology, UsageError, parse_env, validate
 
 USAGE_EXIT = 2
 
@@ -68,7 +68,21 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
         help="set an environment variable for the workload (repeatable)",
     )
     parser.add_argument(
-        "--in-process", action="store_true", help="run without separate node processes"
+        "--in-process", action="store_true", help="run without the emulator daemon (single-process programs only)"
+    )
+    parser.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=DEFAULT_HANG_TIMEOUT_S,
+        metavar="SECONDS",
+        help=f"report a collective some ranks joined and others did not after this long "
+        f"(default: {DEFAULT_HANG_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--on-hang",
+        choices=[p.value for p in OnHang],
+        default=OnHang.EXIT.value,
+        help="after a hang report: stop the run (exit 124) or keep it running for inspection (default: exit)",
     )
     parser.add_argument(
         "--log-dir",
@@ -96,6 +110,8 @@ def _topology(ns: argparse.Namespace, command: tuple[str, ...] | None, help_prog
             env=tuple(parse_env(item) for item in ns.env),
             in_process=ns.in_process,
             log_dir=ns.log_dir,
+            hang_timeout_s=ns.hang_timeout,
+            on_hang=OnHang(ns.on_hang),
             command=command or (),
         )
         validate(topology)

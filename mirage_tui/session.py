@@ -27,15 +27,17 @@ import zmq
 from emulator import schema as s
 from emulator.arena import session_segments
 from emulator.daemon import endpoints
-from mirage_tui import rundir
+from mirage_tui import diagnosis, rundir
 from mirage_tui.output import RankTail, pump_pipe
-from mirage_tui.topology import Topology
+from mirage_tui.topology import OnHang, Topology
 
 #: How long the other nodes may keep running after one failed.
 FAIL_GRACE_S = 3.0
 #: How long a process gets between SIGTERM and SIGKILL.
 TERM_GRACE_S = 3.0
 DAEMON_START_TIMEOUT_S = 20.0
+#: Exit code of a run stopped because of a hang (as coreutils' timeout uses).
+HANG_EXIT = 124
 _BOOT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "shim", "boot")
 
 Sink = Callable[[s.Event], None]
@@ -77,6 +79,10 @@ class Session:
         self._ctx = zmq.Context()
         self._journal = open(self.run.events, "ab")
         self._log_files: dict[str, object] = {}
+        # what the dispatcher learns, for diagnosing hangs (written by it only)
+        self.rank_pids: dict[int, int] = {}
+        self.last_output: dict[int, tuple[str, float]] = {}
+        self._hangs: queue.Queue[s.HangDetected] = queue.Queue()
 
     # ------------------------------------------------------------ events
 
@@ -101,6 +107,12 @@ class Session:
                 self._journal.write(s.encode(e) + b"\n")
                 if isinstance(e, s.OutputLine):
                     self._log_line(e)
+                    if e.rank >= 0:
+                        self.last_output[e.rank] = (e.text, e.t)
+                elif isinstance(e, s.RankRegistered):
+                    self.rank_pids[e.rank] = e.pid
+                elif isinstance(e, s.HangDetected):
+                    self._hangs.put(e)
                 self.sink(e)
             self._journal.flush()
 
@@ -154,7 +166,7 @@ class Session:
         self.daemon = subprocess.Popen(
             [sys.executable, "-m", "emulator", "--run-dir", self.run.path, "--session", self.run.session,
              "--token-file", self.run.token_file, "--profile", topo.profile, "--nodes", str(topo.num_nodes),
-             "--gpus-per-node", str(topo.gpus_per_node)],
+             "--gpus-per-node", str(topo.gpus_per_node), "--hang-timeout", str(topo.hang_timeout_s)],
             stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=self._daemon_env(),
         )
         log.close()
@@ -251,6 +263,10 @@ class Session:
                 first_failure, failed_at = (-1, 1), time.monotonic()
             if first_failure and time.monotonic() - failed_at > FAIL_GRACE_S:
                 self._terminate_nodes()
+            hang = self._report_hangs()
+            if hang is not None and self.topology.on_hang is OnHang.EXIT:
+                self._terminate_nodes()
+                return Outcome(HANG_EXIT, hang, self.run.path)
             time.sleep(0.05)
         if first_failure is None:
             return Outcome(0, f"all {len(self.nodes)} node process(es) exited 0", self.run.path)
@@ -258,6 +274,23 @@ class Session:
         if node < 0:
             return Outcome(1, f"the mirage daemon died (see {self.run.path}/daemon.log)", self.run.path)
         return Outcome(code if code > 0 else 128 - code, self._failure_summary(node, code), self.run.path)
+
+    def _report_hangs(self) -> str | None:
+        """Diagnose every hang the daemon reported since the last call; return a summary of the first."""
+        summary = None
+        while True:
+            try:
+                finding = self._hangs.get_nowait()
+            except queue.Empty:
+                return summary
+            d = diagnosis.diagnose(finding, dict(self.rank_pids), dict(self.last_output), self.run.ranks)
+            path = diagnosis.write(d, self.run.path)
+            self.emit(s.HangReport(comm=finding.comm, seq=finding.seq, text=diagnosis.render(d), path=path))
+            missing = ", ".join(map(str, finding.missing))
+            summary = summary or (
+                f"hang in collective #{finding.seq} ({finding.op.name}): missing ranks {{{missing}}}; "
+                f"report: {path}"
+            )
 
     def _failure_summary(self, node: int, code: int) -> str:
         how = f"signal {-code}" if code < 0 else f"exit code {code}"

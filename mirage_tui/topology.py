@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from enum import Enum
 
 from emulator.profiles import DEFAULT_PROFILE, ProfileError, load_profile
 
@@ -16,6 +17,16 @@ MAX_GPUS_PER_NODE = 64
 MAX_NODES = 1024
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+DEFAULT_HANG_TIMEOUT_S = 30.0
+
+
+class OnHang(str, Enum):
+    """What a run does once a hang has been reported."""
+
+    EXIT = "exit"
+    WAIT = "wait"
 
 
 class UsageError(Exception):
@@ -32,6 +43,8 @@ class Topology:
     env: tuple[tuple[str, str], ...] = ()  # extra environment for every rank
     in_process: bool = False
     log_dir: str | None = None
+    hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
+    on_hang: OnHang = OnHang.EXIT
     command: tuple[str, ...] = ()  # the program and its own arguments
 
     @property
@@ -65,6 +78,8 @@ def validate(topology: Topology) -> None:
         load_profile(topology.profile)
     except ProfileError as e:
         raise UsageError(str(e)) from None
+    if not 0 < topology.hang_timeout_s <= 86400:
+        raise UsageError(f"--hang-timeout must be a number of seconds above 0 (at most 86400), got {topology.hang_timeout_s:g}")
     for key, _ in topology.env:
         _check_env_name(key)
     if not topology.command:

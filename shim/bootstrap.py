@@ -53,9 +53,11 @@ def boot() -> None:
         return
     if "MIRAGE_RANK_PID" not in os.environ:
         os.environ["MIRAGE_RANK_PID"] = str(os.getpid())
-        from shim.output import capture
+        from shim.output import arm_stack_dumps, capture
 
-        capture(os.environ["MIRAGE_RUN_DIR"], int(os.environ.get("RANK", "0")))
+        rank = int(os.environ.get("RANK", "0"))
+        capture(os.environ["MIRAGE_RUN_DIR"], rank)
+        arm_stack_dumps(os.environ["MIRAGE_RUN_DIR"], rank)
     if "torch" in sys.modules:
         from shim.activate import activate
 

@@ -6,8 +6,13 @@ session tails the files, prefixes each line with the rank and logs it.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
+
+from emulator.schema import STACK_SIGNAL
+
+_stacks_file = None  # kept open for the life of the process: faulthandler writes to its fd
 
 
 def rank_stream_path(run_dir: str, rank: int, stream: str) -> str:
@@ -24,3 +29,14 @@ def capture(run_dir: str, rank: int) -> None:
     for f in (sys.stdout, sys.stderr):
         if f is not None:
             f.reconfigure(line_buffering=True)
+
+
+def arm_stack_dumps(run_dir: str, rank: int) -> None:
+    """On ``STACK_SIGNAL``, append every thread's Python stack to ``rank-<r>.stacks``.
+
+    faulthandler dumps from the signal handler in C, so a rank blocked inside a
+    collective (or any C call) still answers.
+    """
+    global _stacks_file
+    _stacks_file = open(rank_stream_path(run_dir, rank, "stacks"), "a")
+    faulthandler.register(STACK_SIGNAL, file=_stacks_file, all_threads=True)

@@ -186,3 +186,14 @@ def test_collective_timeout_uses_the_watchdog_wording(tmp_path):
     assert r.returncode != 0
     assert ("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=1, OpType=ALLREDUCE, "
             "NumelIn=4, NumelOut=4, Timeout(ms)=2000) ran for") in r.stderr
+
+
+def test_ddp_does_not_stall_over_many_steps(tmp_path):
+    """The seed system stalled on DDP's repeated bucketed all-reduces after a few steps; this one must not."""
+    r = mirage_run(tmp_path, "--gpus-per-node", "2", "--", "torchrun", "--standalone", "--nproc_per_node=2",
+                   str(FIXTURES / "ddp_mlp.py"), steps=500)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "[0] [rank 0] all ranks converged with identical replicas" in r.stdout
+    done = [e for e in events(tmp_path) if e["type"] == "coll_completed"]
+    assert len(done) >= 500
+    assert [e["seq"] for e in done if e["comm"] == done[-1]["comm"]] == list(range(1, len(done) + 1))

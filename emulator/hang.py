@@ -1,0 +1,64 @@
+"""The hang detector: collectives that some ranks joined and others never did.
+
+NCCL's watchdog notices such a collective after its timeout (10 minutes by
+default) and only from the waiting side. The daemon sees every rank's posts,
+so it can say after ``timeout_s`` which ranks are missing and what each one
+last did, while the run is still alive to be inspected.
+"""
+
+from __future__ import annotations
+
+import time
+
+from emulator.ledger import Communicator, Ledger
+from emulator.schema import HangDetected
+
+
+class HangDetector:
+    """Reports each stuck (communicator, sequence number) once."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._reported: set[tuple[str, int]] = set()
+
+    def scan(self, ledger: Ledger, now: float | None = None) -> list[HangDetected]:
+        """Findings for every collective partially joined for longer than the timeout."""
+        now = time.monotonic() if now is None else now
+        found = []
+        for comm in ledger.comms.values():
+            if comm.failed:
+                continue
+            for seq, slot in comm.posted.items():
+                if not slot or (comm.comm, seq) in self._reported:
+                    continue
+                waited = now - min(p.at for p in slot.values())
+                if waited >= self.timeout_s:
+                    self._reported.add((comm.comm, seq))
+                    found.append(_finding(comm, seq, waited))
+        return found
+
+
+def _global(comm: Communicator, rank: int) -> int:
+    member = comm.members.get(rank)
+    return member.global_rank if member is not None else rank
+
+
+def _finding(comm: Communicator, seq: int, waited: float) -> HangDetected:
+    slot = comm.posted[seq]
+    req = next(iter(slot.values())).request
+    joined = sorted(slot)
+    missing = [r for r in range(comm.size) if r not in slot]
+    return HangDetected(
+        comm=comm.comm,
+        seq=seq,
+        op=req.op,
+        dtype=req.dtype,
+        numel=req.numel,
+        size=comm.size,
+        waited_s=round(waited, 3),
+        joined=[_global(comm, r) for r in joined],
+        sites=[slot[r].request.site for r in joined],
+        missing=[_global(comm, r) for r in missing],
+        last_enqueued=[comm.last_enqueued.get(r, 0) for r in missing],
+        last_completed=[comm.last_completed.get(r, 0) for r in missing],
+    )

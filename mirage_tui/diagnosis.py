@@ -1,0 +1,168 @@
+"""Turn the daemon's hang finding into a report a person can act on.
+
+The daemon knows who is missing from which collective; the session knows the
+rest: each rank's pid, what its process is doing, the last line it printed,
+and (by signalling it) its Python stacks. This module puts the two together,
+writes ``hang-report.json`` and ``stacks.txt`` into the run directory and
+renders the text batch mode prints and the console shows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import psutil
+
+from emulator.schema import STACK_SIGNAL, HangDetected
+
+
+@dataclass(frozen=True)
+class RankState:
+    """What a rank was doing when the hang was reported."""
+
+    rank: int
+    pid: int | None
+    process: str  # psutil status ("sleeping", "running", ...) or "exited"/"unknown"
+    last_output: str
+    last_output_age_s: float | None
+    stacks: str
+
+
+@dataclass(frozen=True)
+class HangDiagnosis:
+    finding: HangDetected
+    ranks: dict[int, RankState]
+
+    def to_json(self) -> dict:
+        f = self.finding
+        return {
+            "comm": f.comm,
+            "seq": f.seq,
+            "op": f.op.name,
+            "dtype": f.dtype,
+            "numel": f.numel,
+            "size": f.size,
+            "waited_s": f.waited_s,
+            "joined": [{"rank": r, "site": site} for r, site in zip(f.joined, f.sites)],
+            "missing": [
+                {"rank": r, "last_enqueued": e, "last_completed": c}
+                for r, e, c in zip(f.missing, f.last_enqueued, f.last_completed)
+            ],
+            "ranks": {str(r): asdict(s) for r, s in self.ranks.items()},
+        }
+
+
+def dump_stacks(rank_pids: dict[int, int], ranks_dir: str, wait_s: float = 1.0) -> dict[int, str]:
+    """Signal every live rank for its stacks; return what each appended to its ``.stacks`` file."""
+    before: dict[int, int] = {}
+    for rank, pid in rank_pids.items():
+        path = os.path.join(ranks_dir, f"rank-{rank}.stacks")
+        before[rank] = os.path.getsize(path) if os.path.exists(path) else 0
+        try:
+            os.kill(pid, STACK_SIGNAL)
+        except ProcessLookupError:
+            pass
+    time.sleep(wait_s)  # faulthandler writes from the signal handler; give it a moment
+    stacks = {}
+    for rank, offset in before.items():
+        try:
+            with open(os.path.join(ranks_dir, f"rank-{rank}.stacks"), errors="replace") as f:
+                f.seek(offset)
+                stacks[rank] = f.read().rstrip()
+        except OSError:
+            stacks[rank] = ""
+    return stacks
+
+
+def _process(pid: int | None) -> str:
+    if pid is None:
+        return "unknown (never registered)"
+    try:
+        return psutil.Process(pid).status()
+    except psutil.NoSuchProcess:
+        return "exited"
+    except psutil.Error:
+        return "unknown"
+
+
+def diagnose(
+    finding: HangDetected,
+    rank_pids: dict[int, int],
+    last_output: dict[int, tuple[str, float]],
+    ranks_dir: str,
+) -> HangDiagnosis:
+    """Gather each rank's state for ``finding`` (signals the ranks for their stacks)."""
+    stacks = dump_stacks(rank_pids, ranks_dir)
+    now = time.time()
+    ranks = {}
+    for rank in sorted(set(finding.joined) | set(finding.missing)):
+        text, at = last_output.get(rank, ("", None))
+        ranks[rank] = RankState(
+            rank=rank,
+            pid=rank_pids.get(rank),
+            process=_process(rank_pids.get(rank)),
+            last_output=text,
+            last_output_age_s=None if at is None else round(now - at, 1),
+            stacks=stacks.get(rank, ""),
+        )
+    return HangDiagnosis(finding, ranks)
+
+
+def _innermost_user_frame(stacks: str) -> str:
+    """The first frame of the main thread's stack (faulthandler lists innermost first)."""
+    for block in stacks.split("\n\n"):
+        if "Current thread" in block or "most recent call first" in block:
+            for line in block.splitlines()[1:]:
+                line = line.strip()
+                if line.startswith("File ") and "/torch/" not in line and "/shim/" not in line:
+                    return line
+    return ""
+
+
+def render(d: HangDiagnosis) -> str:
+    """The report as text, in Flight Recorder's and NCCL's wording where they have one."""
+    f = d.finding
+    lines = [
+        f"HANG: collective #{f.seq} ({f.op.name}, {f.numel} x {f.dtype}) of communicator {f.comm[:8]} "
+        f"({f.size} ranks) has waited {f.waited_s:.1f} s",
+        f"  joined ranks: {{{', '.join(map(str, f.joined))}}}",
+        f"  missing ranks: {{{', '.join(map(str, f.missing))}}}",
+    ]
+    for rank, site in zip(f.joined, f.sites):
+        lines.append(f"  [{rank}] joined collective #{f.seq} at {site or '?'}")
+    for rank, enq, done in zip(f.missing, f.last_enqueued, f.last_completed):
+        if enq > done:
+            lines.append(f"  [{rank}] joined but didn't finish collective #{enq} (count from 1)")
+        else:
+            lines.append(f"  [{rank}] finished collective #{done}, but didn't join collective #{f.seq}")
+        s = d.ranks.get(rank)
+        if s is None:
+            continue
+        pid = "?" if s.pid is None else s.pid
+        lines.append(f"      process {pid}: {s.process}")
+        if s.last_output_age_s is not None:
+            lines.append(f"      last output {s.last_output_age_s:.1f} s ago: {s.last_output}")
+        frame = _innermost_user_frame(s.stacks)
+        if frame:
+            lines.append(f"      now at: {frame}")
+    return "\n".join(lines)
+
+
+def write(d: HangDiagnosis, run_dir: str) -> str:
+    """Add the diagnosis to ``hang-report.json`` and the stacks to ``stacks.txt``; return the JSON path."""
+    path = os.path.join(run_dir, "hang-report.json")
+    reports = []
+    if os.path.exists(path):
+        with open(path) as f:
+            reports = json.load(f)
+    reports.append(d.to_json())
+    with open(path, "w") as f:
+        json.dump(reports, f, indent=2)
+    with open(os.path.join(run_dir, "stacks.txt"), "a") as f:
+        f.write(f"=== hang: collective #{d.finding.seq} of communicator {d.finding.comm[:8]} ===\n")
+        for rank, s in d.ranks.items():
+            f.write(f"--- rank {rank} (pid {s.pid}, {s.process}) ---\n{s.stacks or '(no stacks)'}\n\n")
+    return path

@@ -1,0 +1,62 @@
+"""Hang detection end to end: the daemon notices, the session diagnoses, the user reads who and where."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from test_run import FIXTURES, REPO_ROOT, events, mirage_run, run_dir
+
+pytestmark = pytest.mark.usefixtures("no_orphans")
+HANG_TIMEOUT_S = 2.0
+
+
+def test_skipped_all_reduce_is_reported_with_rank_seq_and_line(tmp_path):
+    r = mirage_run(tmp_path, "--gpus-per-node", "2", "--hang-timeout", str(HANG_TIMEOUT_S), "--",
+                   "torchrun", "--standalone", "--nproc_per_node=2", str(FIXTURES / "skip_allreduce.py"))
+    assert r.returncode == 124, r.stderr
+    assert "HANG: collective #3 (ALLREDUCE, 8 x float32)" in r.stderr
+    assert "missing ranks: {1}" in r.stderr
+    assert "[1] finished collective #2, but didn't join collective #3" in r.stderr
+    assert "skip_allreduce.py:17:<module>" in r.stderr  # where rank 0 waits
+    assert 'skip_allreduce.py", line 16 in <module>' in r.stderr  # where rank 1 is instead
+
+    d = run_dir(tmp_path)
+    (report,) = json.loads((d / "hang-report.json").read_text())
+    assert report["seq"] == 3 and report["op"] == "ALLREDUCE"
+    assert [m["rank"] for m in report["missing"]] == [1]
+    assert report["ranks"]["1"]["process"] in ("sleeping", "running")
+    assert "skip_allreduce.py" in (d / "stacks.txt").read_text()
+
+    evs = events(tmp_path)
+    (hang,) = [e for e in evs if e["type"] == "hang"]
+    arrived = min(e["t"] for e in evs if e["type"] == "coll_enqueued" and e["seq"] == 3)
+    latency = hang["t"] - arrived
+    assert HANG_TIMEOUT_S <= latency < HANG_TIMEOUT_S + 5  # generous: machines are noisy
+
+
+def test_on_hang_wait_keeps_the_run_alive(tmp_path):
+    env = dict(os.environ, PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mirage_tui", "run", "--log-dir", str(tmp_path), "--gpus-per-node", "2",
+         "--hang-timeout", str(HANG_TIMEOUT_S), "--on-hang", "wait", "--",
+         "torchrun", "--standalone", "--nproc_per_node=2", str(FIXTURES / "skip_allreduce.py")],
+        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not list(tmp_path.glob("*/hang-report.json")):
+            time.sleep(0.2)
+        assert list(tmp_path.glob("*/hang-report.json")), "no hang reported"
+        time.sleep(1)
+        assert proc.poll() is None, "the run ended although --on-hang wait"
+    finally:
+        proc.send_signal(2)
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130
+    assert "missing ranks: {1}" in err
