@@ -63,6 +63,7 @@ class Daemon:
         self.ledger = Ledger()
         self.scheduler = WaveScheduler()
         self.hangs = HangDetector(hang_timeout_s)
+        self.rank_pids: dict[int, int] = {}  # global rank -> pid, from Hello
         self.arenas: dict[str, Arena] = {}
         self.running = True
         self._last_progress: dict[int, float] = {}
@@ -107,6 +108,7 @@ class Daemon:
                 self.publish_ready()
             elif isinstance(msg, s.Hello):
                 self.reply(client, s.Ok(req=msg.req))
+                self.rank_pids[msg.rank] = msg.pid
                 self.publish(s.RankRegistered(rank=msg.rank, node=msg.node, pid=msg.pid))
             elif isinstance(msg, s.CommInit):
                 self.ledger.join(msg)
@@ -173,6 +175,22 @@ class Daemon:
             self.reply(p.client, s.Error(req=p.request.req, code=err.code, message=err.message))
         self.publish(s.CommFailed(comm=comm.comm, code=err.code, message=err.message))
 
+    def check_peers(self) -> None:
+        """Fail the communicators of a rank whose process is gone, so its peers stop waiting."""
+        for rank, pid in list(self.rank_pids.items()):
+            if _alive(pid):
+                continue
+            del self.rank_pids[rank]
+            for comm in self.ledger.with_member(rank):
+                pending = sorted(comm.posted)
+                waiting = sorted({comm.members[r].global_rank for r in comm.posted[pending[0]]}) if pending else []
+                what = (
+                    f"while ranks {{{', '.join(map(str, waiting))}}} wait in collective #{pending[0]}"
+                    if pending else "; its communicator can no longer complete collectives"
+                )
+                err = CommError("ncclRemoteError", f"rank {rank} (pid {pid}) exited {what}".replace(" ;", ";"))
+                self.fail(comm, err, extra=[])
+
     # ------------------------------------------------------------ execution
 
     def run_wave(self) -> None:
@@ -238,6 +256,7 @@ class Daemon:
                 next_scan = now + HANG_SCAN_INTERVAL_S
                 for finding in self.hangs.scan(self.ledger, now):
                     self.publish(finding)
+                self.check_peers()
             if os.getppid() != parent:
                 break  # the session is gone: nobody is left to serve
 
@@ -247,6 +266,15 @@ class Daemon:
         self.router.close(0)
         self.pub.close()
         self.ctx.term()
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie, exited but not yet reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _die_with_parent() -> None:

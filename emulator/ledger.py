@@ -106,6 +106,13 @@ class Ledger:
         del comm.posted[req.seq]
         return comm, matched
 
+    def with_member(self, global_rank: int) -> list[Communicator]:
+        """Live communicators that global rank ``global_rank`` belongs to."""
+        return [
+            c for c in self.comms.values()
+            if not c.failed and any(m.global_rank == global_rank for m in c.members.values())
+        ]
+
     def complete(self, comm: Communicator, seq: int) -> None:
         for rank in range(comm.size):
             comm.last_completed[rank] = seq
@@ -150,5 +157,6 @@ class Ledger:
                     "ncclInvalidUsage",
                     "Detected mismatch between collectives on ranks. "
                     f"Rank {first.rank} is running collective: {_fingerprint(first)}, "
-                    f"but Rank {r.rank} is running collective: {_fingerprint(r)}",
+                    f"but Rank {r.rank} is running collective: {_fingerprint(r)}. "
+                    f"Rank {first.rank} called it at {first.site or '?'}; Rank {r.rank} at {r.site or '?'}",
                 )

@@ -64,6 +64,13 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
 class Session:
     """Run ``topology``'s command on its emulated cluster; events go to ``sink``."""
 
@@ -293,16 +300,20 @@ class Session:
             )
 
     def _failure_summary(self, node: int, code: int) -> str:
-        how = f"signal {-code}" if code < 0 else f"exit code {code}"
-        culprits = []
+        """Who failed first and how, then which ranks raised (and where their logs are)."""
+        how = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
+        pid = self.nodes[node].pid
+        # with direct launch the node process is the rank itself
+        who = next((f"rank {r}" for r, p in self.rank_pids.items() if p == pid), f"node {node}")
+        raised = []
         for name in sorted(os.listdir(self.run.ranks)):
             if name.endswith(".stderr"):
                 with open(os.path.join(self.run.ranks, name), "rb") as f:
                     if b"Traceback (most recent call last)" in f.read():
                         rank = int(name.split("-")[1].split(".")[0])
-                        culprits.append(f"rank {rank} raised (log: {self.run.rank_log(rank)})")
-        where = "; ".join(culprits) or f"log: {self.run.node_log(node)}"
-        return f"node {node} failed with {how}; {where}"
+                        raised.append(f"rank {rank} raised (log: {self.run.rank_log(rank)})")
+        where = "; ".join(raised) or f"log: {self.run.node_log(node)}"
+        return f"{who} {how}; {where}"
 
     def _terminate_nodes(self) -> None:
         for proc in self.nodes:

@@ -60,3 +60,30 @@ def test_on_hang_wait_keeps_the_run_alive(tmp_path):
         out, err = proc.communicate(timeout=30)
     assert proc.returncode == 130
     assert "missing ranks: {1}" in err
+
+
+def test_killed_rank_fails_its_waiting_peers_fast(tmp_path):
+    start = time.monotonic()
+    r = mirage_run(tmp_path, "--num-nodes", "2", "--gpus-per-node", "2", "--",
+                   "python", str(FIXTURES / "kill_rank.py"))
+    took = time.monotonic() - start
+    assert r.returncode == 128 + 9, r.stderr
+    assert "rank 1 was killed by SIGKILL" in r.stderr
+    # rank 0 does not wait for a timeout: it fails naming the dead rank
+    assert "ncclRemoteError" in r.stderr
+    assert "rank 1 (pid" in r.stderr and "exited while ranks {0} wait in collective #4" in r.stderr
+    assert took < 60
+
+
+def test_mismatched_sizes_fail_fast_on_every_rank(tmp_path):
+    r = mirage_run(tmp_path, "--gpus-per-node", "2", "--", "torchrun", "--standalone", "--nproc_per_node=2",
+                   str(FIXTURES / "mismatch.py"))
+    assert r.returncode != 0
+    assert "silently wrong result" not in r.stdout
+    assert "Detected mismatch between collectives on ranks. Rank 0 is running collective: " \
+           "CollectiveFingerPrint(SequenceNumber=2, OpType=ALLREDUCE, TensorShape=[4]" in r.stderr
+    assert "but Rank 1 is running collective: CollectiveFingerPrint(SequenceNumber=2, OpType=ALLREDUCE, " \
+           "TensorShape=[5]" in r.stderr
+    assert "mismatch.py:13:<module>" in r.stderr  # the call sites are named
+    for rank in (0, 1):
+        assert "Detected mismatch" in (run_dir(tmp_path) / f"rank-{rank}.log").read_text()
