@@ -57,19 +57,29 @@ class HangDiagnosis:
 
 def dump_stacks(rank_pids: dict[int, int], ranks_dir: str, wait_s: float = 1.0) -> dict[int, str]:
     """Signal every live rank for its stacks; return what each appended to its ``.stacks`` file."""
+    def path(rank: int) -> str:
+        return os.path.join(ranks_dir, f"rank-{rank}.stacks")
+
+    def size(rank: int) -> int:
+        return os.path.getsize(path(rank)) if os.path.exists(path(rank)) else 0
+
     before: dict[int, int] = {}
     for rank, pid in rank_pids.items():
-        path = os.path.join(ranks_dir, f"rank-{rank}.stacks")
-        before[rank] = os.path.getsize(path) if os.path.exists(path) else 0
+        before[rank] = size(rank)
         try:
             os.kill(pid, STACK_SIGNAL)
         except ProcessLookupError:
             pass
-    time.sleep(wait_s)  # faulthandler writes from the signal handler; give it a moment
+    # faulthandler writes from its C signal handler, even in a rank blocked in C: usually within
+    # milliseconds; a rank that never answers (gone, or stopped) costs at most wait_s
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and any(size(r) == b for r, b in before.items()):
+        time.sleep(0.02)
+    time.sleep(0.02)  # let a dump that just started finish its last lines
     stacks = {}
     for rank, offset in before.items():
         try:
-            with open(os.path.join(ranks_dir, f"rank-{rank}.stacks"), errors="replace") as f:
+            with open(path(rank), errors="replace") as f:
                 f.seek(offset)
                 stacks[rank] = f.read().rstrip()
         except OSError:
