@@ -64,9 +64,9 @@ class Daemon:
         self.scheduler = WaveScheduler()
         self.hangs = HangDetector(hang_timeout_s)
         self.rank_pids: dict[int, int] = {}  # global rank -> pid, from Hello
+        self.dead: dict[int, str] = {}  # global rank -> how it went
         self.arenas: dict[str, Arena] = {}
         self.running = True
-        self._last_progress: dict[int, float] = {}
 
     # ------------------------------------------------------------ plumbing
 
@@ -126,6 +126,9 @@ class Daemon:
             self.reply(client, s.Error(req=msg.req, code=e.code, message=e.message))
         except (ArenaError, KernelError, OSError) as e:
             self.reply(client, s.Error(req=msg.req, code="ncclInvalidArgument", message=str(e)))
+        except Exception as e:  # a bug must not take the session's GPUs down, nor leave a rank waiting
+            traceback.print_exc()
+            self.reply(client, s.Error(req=msg.req, code="ncclInternalError", message=f"daemon internal error: {e}"))
 
     def refuse(self, client: bytes, req: int, why: str) -> None:
         self.reply(client, s.Error(req=req, code="protocol", message=why))
@@ -176,19 +179,20 @@ class Daemon:
         self.publish(s.CommFailed(comm=comm.comm, code=err.code, message=err.message))
 
     def check_peers(self) -> None:
-        """Fail the communicators of a rank whose process is gone, so its peers stop waiting."""
+        """Notice ranks whose process is gone, and fail the collectives waiting on them."""
         for rank, pid in list(self.rank_pids.items()):
-            if _alive(pid):
-                continue
-            del self.rank_pids[rank]
-            for comm in self.ledger.with_member(rank):
-                pending = sorted(comm.posted)
-                waiting = sorted({comm.members[r].global_rank for r in comm.posted[pending[0]]}) if pending else []
-                what = (
-                    f"while ranks {{{', '.join(map(str, waiting))}}} wait in collective #{pending[0]}"
-                    if pending else "; its communicator can no longer complete collectives"
-                )
-                err = CommError("ncclRemoteError", f"rank {rank} (pid {pid}) exited {what}".replace(" ;", ";"))
+            if not _alive(pid):
+                del self.rank_pids[rank]
+                self.dead[rank] = f"rank {rank} (pid {pid}) exited"
+        for comm in self.ledger.comms.values():
+            if comm.failed or not comm.posted:
+                continue  # an idle communicator of a finished rank is fine until someone posts to it
+            gone = [g for m in comm.members.values() if (g := m.global_rank) in self.dead]
+            if gone:
+                seq = min(comm.posted)
+                waiting = sorted(comm.members[r].global_rank for r in comm.posted[seq])
+                waiters = ", ".join(map(str, waiting))
+                err = CommError("ncclRemoteError", f"{self.dead[gone[0]]} while ranks {{{waiters}}} wait in collective #{seq}")
                 self.fail(comm, err, extra=[])
 
     # ------------------------------------------------------------ execution
@@ -197,9 +201,9 @@ class Daemon:
         progressed, finished = self.scheduler.run_wave()
         now = time.monotonic()
         for job in progressed:
-            if job in finished or now - self._last_progress.get(id(job), 0.0) < PROGRESS_INTERVAL_S:
+            if job.done >= job.total or now - job.last_progress < PROGRESS_INTERVAL_S:
                 continue
-            self._last_progress[id(job)] = now
+            job.last_progress = now
             req = job.first
             self.publish(
                 s.CollectiveProgress(
@@ -211,7 +215,6 @@ class Daemon:
 
     def finish(self, job: Job) -> None:
         req = job.first
-        self._last_progress.pop(id(job), None)
         if job.error is not None:
             traceback.print_exception(job.error)
             err = CommError("ncclInternalError", f"collective #{req.seq} ({req.op.value}) failed in the emulator: {job.error}")
@@ -244,11 +247,7 @@ class Daemon:
                     if len(frames) != 2:
                         self.refuse(frames[0], 0, "malformed request: expected one frame")
                         continue
-                    try:
-                        self.handle(frames[0], frames[1])
-                    except Exception:  # a bug must not take the session's GPUs down
-                        traceback.print_exc()
-                        self.reply(frames[0], s.Error(code="ncclInternalError", message="daemon internal error"))
+                    self.handle(frames[0], frames[1])
             if self.scheduler.busy:
                 self.run_wave()
             now = time.monotonic()

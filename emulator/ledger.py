@@ -106,13 +106,6 @@ class Ledger:
         del comm.posted[req.seq]
         return comm, matched
 
-    def with_member(self, global_rank: int) -> list[Communicator]:
-        """Live communicators that global rank ``global_rank`` belongs to."""
-        return [
-            c for c in self.comms.values()
-            if not c.failed and any(m.global_rank == global_rank for m in c.members.values())
-        ]
-
     def complete(self, comm: Communicator, seq: int) -> None:
         for rank in range(comm.size):
             comm.last_completed[rank] = seq

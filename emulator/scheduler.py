@@ -25,7 +25,7 @@ CHUNK_BYTES = 2 << 20
 WAVE_BYTES = 16 << 20
 
 
-@dataclass
+@dataclass(eq=False)  # identity: jobs hold numpy views
 class Job:
     """One matched collective in execution; ``done``/``total`` count elements."""
 
@@ -39,6 +39,7 @@ class Job:
     done: int = 0
     started: float = field(default_factory=time.monotonic)
     error: Exception | None = None  # set when a kernel raised; the job is then finished
+    last_progress: float = 0.0  # when a progress event last went out
 
     @property
     def first(self):

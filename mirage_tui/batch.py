@@ -36,8 +36,8 @@ def run_batch(topology: Topology) -> int:
     def on_signal(signum, frame):
         raise _Interrupted(signum)
 
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     session = Session(topology, _print_event)
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     outcome: Outcome | None = None
     try:
         try:

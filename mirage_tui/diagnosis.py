@@ -9,6 +9,7 @@ renders the text batch mode prints and the console shows.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import time
@@ -55,7 +56,15 @@ class HangDiagnosis:
         }
 
 
-def dump_stacks(rank_pids: dict[int, int], ranks_dir: str, wait_s: float = 1.0) -> dict[int, str]:
+def _ours(pid: int, session: str) -> bool:
+    """Only signal processes of this session: pids come from ranks' Hello and can be recycled."""
+    try:
+        return psutil.Process(pid).environ().get("MIRAGE_SESSION") == session
+    except (psutil.Error, OSError):
+        return False
+
+
+def dump_stacks(rank_pids: dict[int, int], ranks_dir: str, session: str, wait_s: float = 1.0) -> dict[int, str]:
     """Signal every live rank for its stacks; return what each appended to its ``.stacks`` file."""
     def path(rank: int) -> str:
         return os.path.join(ranks_dir, f"rank-{rank}.stacks")
@@ -65,6 +74,8 @@ def dump_stacks(rank_pids: dict[int, int], ranks_dir: str, wait_s: float = 1.0) 
 
     before: dict[int, int] = {}
     for rank, pid in rank_pids.items():
+        if not _ours(pid, session):
+            continue
         before[rank] = size(rank)
         try:
             os.kill(pid, STACK_SIGNAL)
@@ -103,9 +114,10 @@ def diagnose(
     rank_pids: dict[int, int],
     last_output: dict[int, tuple[str, float]],
     ranks_dir: str,
+    session: str,
 ) -> HangDiagnosis:
     """Gather each rank's state for ``finding`` (signals the ranks for their stacks)."""
-    stacks = dump_stacks(rank_pids, ranks_dir)
+    stacks = dump_stacks(rank_pids, ranks_dir, session)
     now = time.time()
     ranks = {}
     for rank in sorted(set(finding.joined) | set(finding.missing)):
@@ -122,14 +134,32 @@ def diagnose(
 
 
 def _innermost_user_frame(stacks: str) -> str:
-    """The first frame of the main thread's stack (faulthandler lists innermost first)."""
+    """The innermost frame outside torch and mirage of the thread the signal landed on.
+
+    faulthandler lists that thread ("Current thread") innermost first; Python runs
+    signal handlers on the main thread, so it is the main thread.
+    """
     for block in stacks.split("\n\n"):
-        if "Current thread" in block or "most recent call first" in block:
+        if block.lstrip().startswith("Current thread"):
             for line in block.splitlines()[1:]:
                 line = line.strip()
-                if line.startswith("File ") and "/torch/" not in line and "/shim/" not in line:
+                if line.startswith("File ") and not any(d in line for d in _INTERNAL_DIRS):
                     return line
     return ""
+
+
+def _package_dirs(*names: str) -> tuple[str, ...]:
+    # find_spec locates a top-level package without importing it (the console never imports torch)
+    dirs = []
+    for name in names:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations:
+            dirs.extend(os.path.join(d, "") for d in spec.submodule_search_locations)
+    return tuple(dirs)
+
+
+#: Frames in these folders are the machinery, not the user's code.
+_INTERNAL_DIRS = _package_dirs("torch", "shim")
 
 
 def render(d: HangDiagnosis) -> str:

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -120,7 +121,10 @@ class Session:
                     self.rank_pids[e.rank] = e.pid
                 elif isinstance(e, s.HangDetected):
                     self._hangs.put(e)
-                self.sink(e)
+                try:
+                    self.sink(e)
+                except Exception:  # a broken display must not stop the journal
+                    traceback.print_exc()
             self._journal.flush()
 
     def _log_line(self, e: s.OutputLine) -> None:
@@ -139,8 +143,9 @@ class Session:
         self._sub = sub
 
     def _pump_daemon_events(self) -> None:
-        while not self._stop.is_set():
-            if self._sub.poll(100):
+        while True:
+            stopping = self._stop.is_set()  # read before draining, so the last drain is complete
+            if self._sub.poll(0 if stopping else 100):
                 while True:
                     try:
                         data = self._sub.recv(zmq.NOBLOCK)
@@ -150,12 +155,16 @@ class Session:
                         self.emit(s.decode(data))  # type: ignore[arg-type]
                     except s.SchemaError:
                         pass
-        self._sub.close(0)
+            if stopping:
+                return
 
     def _pump_rank_files(self) -> None:
         tail = RankTail(self.run.ranks)
         while not self._stop.wait(0.05):
             for line in tail.poll():
+                self.emit(line)
+        while lines := tail.poll():  # everything written before the processes ended
+            for line in lines:
                 self.emit(line)
         for line in tail.poll(final=True):
             self.emit(line)
@@ -183,14 +192,22 @@ class Session:
         dealer.connect(endpoints(self.run.path)[0])
         deadline = time.monotonic() + DAEMON_START_TIMEOUT_S
         try:
-            # ready once a ping is answered AND its DaemonReady reached our SUB socket
+            # ready once a ping is answered Ok AND its DaemonReady reached our SUB socket
+            # (before that, ZeroMQ may drop events: the slow-joiner window)
             while time.monotonic() < deadline:
                 if self.daemon.poll() is not None:
-                    raise LaunchError(f"the mirage daemon exited with code {self.daemon.returncode}; see {self.run.path}/daemon.log", 1)
+                    raise LaunchError(
+                        f"the mirage daemon exited with code {self.daemon.returncode}; "
+                        f"see {self.run.path}/daemon.log", 1,
+                    )
                 dealer.send(s.encode(s.Ping(token=self.run.token)))
-                if dealer.poll(200) and self._sub.poll(200):
-                    self.emit(s.decode(self._sub.recv()))  # type: ignore[arg-type]
-                    return
+                if not (dealer.poll(200) and isinstance(s.decode(dealer.recv()), s.Ok)):
+                    continue
+                while self._sub.poll(200):
+                    event = s.decode(self._sub.recv())
+                    if isinstance(event, s.DaemonReady):
+                        self.emit(event)
+                        return
             raise LaunchError(f"the mirage daemon did not answer within {DAEMON_START_TIMEOUT_S:.0f} s", 1)
         finally:
             dealer.close(0)
@@ -290,7 +307,9 @@ class Session:
                 finding = self._hangs.get_nowait()
             except queue.Empty:
                 return summary
-            d = diagnosis.diagnose(finding, dict(self.rank_pids), dict(self.last_output), self.run.ranks)
+            d = diagnosis.diagnose(
+                finding, dict(self.rank_pids), dict(self.last_output), self.run.ranks, self.run.session
+            )
             path = diagnosis.write(d, self.run.path)
             self.emit(s.HangReport(comm=finding.comm, seq=finding.seq, text=diagnosis.render(d), path=path))
             missing = ", ".join(map(str, finding.missing))
@@ -317,11 +336,11 @@ class Session:
 
     def _terminate_nodes(self) -> None:
         for proc in self.nodes:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+            # the group too when its leader is gone: a dead torchrun agent leaves workers
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
         deadline = time.monotonic() + TERM_GRACE_S
         for proc in self.nodes:
             try:
@@ -377,7 +396,7 @@ class Session:
         self._journal.close()
         for f in self._log_files.values():
             f.close()  # type: ignore[attr-defined]
-        self._ctx.term()
+        self._ctx.destroy(linger=0)
         try:
             os.unlink(self.run.token_file)  # the token is useless once the daemon is gone
         except OSError:

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -75,21 +76,37 @@ def _nccl_error(code: str, message: str, device: int) -> dist.DistBackendError:
     )
 
 
+#: Frames in these folders are the machinery, not the user's code.
+_INTERNAL_DIRS = (os.path.join(os.path.dirname(torch.__file__), ""), os.path.join(os.path.dirname(__file__), ""))
+
+
 def _call_site() -> str:
     """file:line:function of the first frame outside torch and mirage."""
     f = sys._getframe(2)
     while f is not None:
         name = f.f_code.co_filename
-        if f"{os.sep}torch{os.sep}" not in name and f"{os.sep}shim{os.sep}" not in name:
+        if not name.startswith(_INTERNAL_DIRS):
             return f"{name}:{f.f_lineno}:{f.f_code.co_name}"
         f = f.f_back
     return ""
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
+    """The CPU data of a collective's tensor, refused as ProcessGroupNCCL refuses it."""
     if not isinstance(t, MirageTensor):
         raise ValueError(f"Tensors must be CUDA and dense; got a tensor on {t.device}")
+    if not t._elem.is_contiguous():
+        raise ValueError("Tensors must be contiguous")
     return t._elem
+
+
+def _into(dst: torch.Tensor) -> Callable[[torch.Tensor], None]:
+    """A ``deliver`` that copies a collective's flat output into ``dst``."""
+    return lambda flat: dst.copy_(flat.view(dst.shape))
+
+
+#: One collective in flight per process (see ``MirageProcessGroup._run``).
+_COLLECTIVE_LOCK = threading.Lock()
 
 
 class MirageProcessGroup(dist.ProcessGroup):
@@ -102,7 +119,6 @@ class MirageProcessGroup(dist.ProcessGroup):
         self._seq = 0
         self._group_name = ""
         self._group_desc = ""
-        self._lock = threading.Lock()
         self._in_process = os.environ.get("MIRAGE_IN_PROCESS") == "1"
         if self._in_process:
             if size > 1:
@@ -149,37 +165,45 @@ class MirageProcessGroup(dist.ProcessGroup):
 
     # -- the engine: one collective, in the arena, through the daemon
     def _run(self, op: s.CollOp, inputs: list[torch.Tensor], out_numel: int, dtype: torch.dtype,
-             reduce_op=s.ReduceOp.SUM, root: int = 0, device: int | None = None) -> torch.Tensor:
-        """Post one collective; return the flat output (a view into the arena, valid until the next)."""
+             deliver: Callable[[torch.Tensor], None] | None = None, reduce_op=s.ReduceOp.SUM, root: int = 0,
+             device: int | None = None, stage: bool = True) -> None:
+        """Post one collective and hand its flat output to ``deliver``.
+
+        One collective at a time per process: every group stages into the same
+        arena, so staging, waiting and copying out happen under one lock.
+        """
         numel = sum(t.numel() for t in inputs)
         device = dev.STATE.current if device is None else device
         if self._in_process:
-            return torch.cat([t.reshape(-1) for t in inputs]) if inputs else torch.empty(0, dtype=dtype)
-        esize = torch.empty(0, dtype=dtype).element_size()
+            if deliver is not None:
+                deliver(torch.cat([t.reshape(-1) for t in inputs]) if inputs else torch.empty(0, dtype=dtype))
+            return
+        esize = dtype.itemsize
         out_off = cl.aligned(numel * esize)
         same = op in (s.CollOp.ALLREDUCE, s.CollOp.BROADCAST)
-        arena = self._client.arena(out_off + (0 if same else out_numel * esize))
-        staged = cl.arena_tensor(arena, 0, numel, dtype)
-        at = 0
-        for t in inputs:
-            staged[at : at + t.numel()].copy_(t.reshape(-1))
-            at += t.numel()
-        with self._lock:
+        with _COLLECTIVE_LOCK:
+            arena = self._client.arena(out_off + (0 if same else out_numel * esize))
+            staged = cl.arena_tensor(arena, 0, numel, dtype)
+            if stage:
+                at = 0
+                for t in inputs:
+                    staged[at : at + t.numel()].copy_(t.reshape(-1))
+                    at += t.numel()
             self._seq += 1
-            seq = self._seq
-        request = s.Collective(
-                comm=self._comm, seq=seq, rank=self._rank, op=op, reduce_op=reduce_op,
+            request = s.Collective(
+                comm=self._comm, seq=self._seq, rank=self._rank, op=op, reduce_op=reduce_op,
                 dtype=str(dtype).removeprefix("torch."), numel=numel, out_numel=out_numel, root=root,
                 device=device, arena=arena.name, in_off=0, out_off=0 if same else out_off, site=_call_site(),
-        )
-        started = time.monotonic()
-        try:
-            reply = self._client.request(request, timeout_s=self._timeout.total_seconds())
-        except TimeoutError:
-            raise self._watchdog_timeout(request, time.monotonic() - started) from None
-        if isinstance(reply, s.Error):
-            raise _nccl_error(reply.code, reply.message, device)
-        return staged if same else cl.arena_tensor(arena, out_off, out_numel, dtype)
+            )
+            started = time.monotonic()
+            try:
+                reply = self._client.request(request, timeout_s=self._timeout.total_seconds())
+            except TimeoutError:
+                raise self._watchdog_timeout(request, time.monotonic() - started) from None
+            if isinstance(reply, s.Error):
+                raise _nccl_error(reply.code, reply.message, device)
+            if deliver is not None:
+                deliver(staged if same else cl.arena_tensor(arena, out_off, out_numel, dtype))
 
     def _watchdog_timeout(self, req: s.Collective, waited_s: float) -> dist.DistBackendError:
         """ProcessGroupNCCL's watchdog message, which is what users grep their logs for."""
@@ -201,38 +225,46 @@ class MirageProcessGroup(dist.ProcessGroup):
         op = _reduce_op(opts)
         for t in tensors:
             elem = _flat(t)
-            out = self._run(s.CollOp.ALLREDUCE, [elem], elem.numel(), elem.dtype, reduce_op=op, device=t._gpu)
-            elem.copy_(out.view(elem.shape))
+            self._run(s.CollOp.ALLREDUCE, [elem], elem.numel(), elem.dtype, _into(elem), reduce_op=op, device=t._gpu)
         return self._done(tensors)
 
     def broadcast(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
         for t in tensors:
             elem = _flat(t)
-            out = self._run(s.CollOp.BROADCAST, [elem], elem.numel(), elem.dtype, root=root, device=t._gpu)
-            if self._rank != root:
-                elem.copy_(out.view(elem.shape))
+            mine = self._rank == root
+            self._run(s.CollOp.BROADCAST, [elem], elem.numel(), elem.dtype, None if mine else _into(elem),
+                      root=root, device=t._gpu, stage=mine)
         return self._done(tensors)
 
     def allgather(self, output_lists, inputs, opts=None):
         for outs, t in zip(output_lists, inputs):
             elem = _flat(t)
-            flat = self._run(s.CollOp.ALLGATHER, [elem], elem.numel() * self._size, elem.dtype, device=t._gpu)
-            for k, o in enumerate(outs):
-                _flat(o).copy_(flat[k * elem.numel() : (k + 1) * elem.numel()].view(o.shape))
+            n = elem.numel()
+            if any(o.numel() != n for o in outs):
+                # uneven sizes: one broadcast per rank, as ProcessGroupNCCL does
+                for k, o in enumerate(outs):
+                    buf = elem if k == self._rank else _flat(o)
+                    self._run(s.CollOp.BROADCAST, [buf], buf.numel(), buf.dtype, _into(_flat(o)), root=k,
+                              device=t._gpu, stage=k == self._rank)
+                continue
+
+            def scatter(flat, outs=outs, n=n):
+                for k, o in enumerate(outs):
+                    _flat(o).copy_(flat[k * n : (k + 1) * n].view(o.shape))
+
+            self._run(s.CollOp.ALLGATHER, [elem], n * self._size, elem.dtype, scatter, device=t._gpu)
         return self._done(output_lists)
 
     def _allgather_base(self, output, input, opts=None):
         elem = _flat(input)
-        flat = self._run(s.CollOp.ALLGATHER, [elem], output.numel(), elem.dtype, device=input._gpu)
-        _flat(output).copy_(flat.view(output.shape))
+        self._run(s.CollOp.ALLGATHER, [elem], output.numel(), elem.dtype, _into(_flat(output)), device=input._gpu)
         return self._done([output])
 
     def _reduce_scatter_base(self, output, input, opts=None):
         elem = _flat(input)
-        op = _reduce_op(opts)
-        flat = self._run(s.CollOp.REDUCE_SCATTER, [elem], output.numel(), elem.dtype, reduce_op=op, device=input._gpu)
-        _flat(output).copy_(flat.view(output.shape))
+        self._run(s.CollOp.REDUCE_SCATTER, [elem], output.numel(), elem.dtype, _into(_flat(output)),
+                  reduce_op=_reduce_op(opts), device=input._gpu)
         return self._done([output])
 
     # the names torch.distributed calls from Python for the tensor forms

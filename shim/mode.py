@@ -22,7 +22,7 @@ _CUDA = torch.Tensor.cuda
 def _cuda_index(d) -> int | None:
     """The emulated GPU a device argument names, or None if it is not cuda."""
     if isinstance(d, int) and not isinstance(d, bool):
-        return None
+        return dev.check_index(d)  # a bare ordinal means a cuda device, as on a GPU build
     if isinstance(d, str):
         if not d.startswith(("cuda", BACKEND)):
             return None
@@ -35,7 +35,8 @@ def _cuda_index(d) -> int | None:
 def _move(t: torch.Tensor, gpu: int, dtype, copy: bool, memory_format) -> torch.Tensor:
     """``t.to(cuda:gpu, dtype)``: differentiable, a no-op when nothing changes."""
     same_place = isinstance(t, MirageTensor) and t._gpu == gpu
-    if same_place and (dtype is None or dtype == t.dtype) and not copy:
+    same_layout = memory_format in (None, torch.preserve_format) or t.is_contiguous(memory_format=memory_format)
+    if same_place and (dtype is None or dtype == t.dtype) and same_layout and not copy:
         return t
     kw = {"dtype": dtype or t.dtype, "device": BACKEND_DEVICE}
     if memory_format is not None:
@@ -52,6 +53,9 @@ class CudaMode(TorchFunctionMode):
         if func is _TO:
             parse_kw = {k: v for k, v in kwargs.items() if k != "copy"}
             device, dtype, _non_blocking, memory_format = torch._C._nn._parse_to(*args[1:], **parse_kw)
+            other = args[1] if len(args) > 1 else kwargs.get("other")
+            if isinstance(other, MirageTensor):  # t.to(other): C++ only knows other is on mirage:0
+                device = torch.device("cuda", other._gpu)
             gpu = _cuda_index(device) if device is not None else None
             if gpu is not None:
                 return _move(args[0], gpu, dtype, kwargs.get("copy", False), memory_format)

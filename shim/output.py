@@ -39,4 +39,6 @@ def arm_stack_dumps(run_dir: str, rank: int) -> None:
     """
     global _stacks_file
     _stacks_file = open(rank_stream_path(run_dir, rank, "stacks"), "a")
+    # no chain: at start-up the previous handler is the default one, which would kill the rank.
+    # A program that installs its own SIGUSR1 handler later replaces this one (its choice).
     faulthandler.register(STACK_SIGNAL, file=_stacks_file, all_threads=True)

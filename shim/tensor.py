@@ -128,6 +128,17 @@ def _wrap_tree(out, gpu: int, wrappers: dict[int, MirageTensor]):
         if isinstance(o, torch.Tensor) and not isinstance(o, MirageTensor):
             # in-place and out= ops return their argument: hand back the same wrapper
             w = wrappers.get(id(o))
+            if w is not None and w.shape != o.shape:
+                # A wrapper's sizes are fixed at creation. Factories fill an empty out tensor
+                # (arange, linspace, ...) and use the returned one: hand back a fresh wrapper.
+                # Resizing a tensor that holds data would leave the caller's reference stale.
+                if w.numel() != 0:
+                    raise RuntimeError(
+                        f"mirage: resizing a cuda tensor that holds data in place ({w.shape} -> {o.shape}, "
+                        "e.g. resize_ or out= of another shape) is not supported yet; allocate the output "
+                        "with its final shape"
+                    )
+                w = None
             flat[i] = w if w is not None else MirageTensor(o, gpu)
     return tree_unflatten(flat, spec)
 
