@@ -32,6 +32,7 @@ EVENT_SOCKET = "events.sock"
 #: How often progress events go out for one collective, at most.
 PROGRESS_INTERVAL_S = 0.05
 HANG_SCAN_INTERVAL_S = 0.1
+PEER_CHECK_INTERVAL_S = 0.02
 
 
 def endpoints(run_dir: str) -> tuple[str, str]:
@@ -184,15 +185,22 @@ class Daemon:
             if not _alive(pid):
                 del self.rank_pids[rank]
                 self.dead[rank] = f"rank {rank} (pid {pid}) exited"
+                self.publish(s.RankGone(rank=rank, pid=pid))
         for comm in self.ledger.comms.values():
             if comm.failed or not comm.posted:
                 continue  # an idle communicator of a finished rank is fine until someone posts to it
             gone = [g for m in comm.members.values() if (g := m.global_rank) in self.dead]
-            if gone:
-                seq = min(comm.posted)
-                waiting = sorted(comm.members[r].global_rank for r in comm.posted[seq])
+            seq = min(comm.posted)
+            waiting = sorted(
+                g for r in comm.posted[seq] if (g := comm.members[r].global_rank) not in self.dead
+            )
+            if gone and waiting:  # nobody alive waiting (a teardown): nothing to tell
+                joined = {comm.members[r].global_rank for r in comm.posted[seq]}
+                culprit = min(gone, key=lambda g: g in joined)  # one that never came, if any
                 waiters = ", ".join(map(str, waiting))
-                err = CommError("ncclRemoteError", f"{self.dead[gone[0]]} while ranks {{{waiters}}} wait in collective #{seq}")
+                err = CommError(
+                    "ncclRemoteError", f"{self.dead[culprit]} while ranks {{{waiters}}} wait in collective #{seq}"
+                )
                 self.fail(comm, err, extra=[])
 
     # ------------------------------------------------------------ execution
@@ -234,11 +242,11 @@ class Daemon:
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         parent = os.getppid()
-        next_scan = 0.0
+        next_scan = next_peer_check = 0.0
         self.publish_ready()
         while self.running:
             busy = self.scheduler.busy
-            if poller.poll(0 if busy else 200):
+            if poller.poll(0 if busy else PEER_CHECK_INTERVAL_S * 1000):
                 for _ in range(256):  # bounded, so waves keep running under load
                     try:
                         frames = self.router.recv_multipart(zmq.NOBLOCK)
@@ -251,11 +259,13 @@ class Daemon:
             if self.scheduler.busy:
                 self.run_wave()
             now = time.monotonic()
+            if now >= next_peer_check:  # often: the first rank to go is the one to name
+                next_peer_check = now + PEER_CHECK_INTERVAL_S
+                self.check_peers()
             if now >= next_scan:  # cheap, but not on every busy iteration
                 next_scan = now + HANG_SCAN_INTERVAL_S
                 for finding in self.hangs.scan(self.ledger, now):
                     self.publish(finding)
-                self.check_peers()
             if os.getppid() != parent:
                 break  # the session is gone: nobody is left to serve
 

@@ -194,6 +194,15 @@ class RankRegistered(Event):
 
 
 @dataclass(frozen=True)
+class RankGone(Event):
+    """The daemon noticed a registered rank's process is gone (exit code unknown to it)."""
+
+    TYPE: ClassVar[str] = "rank_gone"
+    rank: int = 0
+    pid: int = 0
+
+
+@dataclass(frozen=True)
 class CommJoined(Event):
     TYPE: ClassVar[str] = "comm_joined"
     comm: str = ""

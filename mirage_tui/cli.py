@@ -14,6 +14,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from emulator import faults
+from emulator.faults import Fault
 from emulator.profiles import DEFAULT_PROFILE, list_profiles
 from mirage_tui import __version__
 from mirage_tui.topology import DEFAULT_HANG_TIMEOUT_S, OnHang, Topology, UsageError, parse_env, validate
@@ -79,6 +81,14 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
         f"(default: {DEFAULT_HANG_TIMEOUT_S:g})",
     )
     parser.add_argument(
+        "--inject",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="make a rank misbehave at a collective of its default group, e.g. "
+        "'rank=1,seq=7,action=hang' (actions: hang, delay:2s, crash, skip; repeatable)",
+    )
+    parser.add_argument(
         "--on-hang",
         choices=[p.value for p in OnHang],
         default=OnHang.EXIT.value,
@@ -89,6 +99,13 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="where to write the run's logs (default: under .mirage/runs)",
     )
+
+
+def _fault(spec: str) -> Fault:
+    try:
+        return faults.parse(spec)
+    except faults.FaultError as e:
+        raise UsageError(str(e)) from None
 
 
 def _split(argv: Sequence[str]) -> tuple[list[str], tuple[str, ...] | None]:
@@ -112,6 +129,7 @@ def _topology(ns: argparse.Namespace, command: tuple[str, ...] | None, help_prog
             log_dir=ns.log_dir,
             hang_timeout_s=ns.hang_timeout,
             on_hang=OnHang(ns.on_hang),
+            faults=tuple(_fault(spec) for spec in ns.inject),
             command=command or (),
         )
         validate(topology)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import psutil
 import zmq
 
+from emulator import faults
 from emulator import schema as s
 from emulator.arena import session_segments
 from emulator.daemon import endpoints
@@ -90,6 +91,7 @@ class Session:
         # what the dispatcher learns, for diagnosing hangs (written by it only)
         self.rank_pids: dict[int, int] = {}
         self.last_output: dict[int, tuple[str, float]] = {}
+        self.gone_ranks: list[int] = []  # in the order the daemon noticed them
         self._hangs: queue.Queue[s.HangDetected] = queue.Queue()
 
     # ------------------------------------------------------------ events
@@ -119,6 +121,8 @@ class Session:
                         self.last_output[e.rank] = (e.text, e.t)
                 elif isinstance(e, s.RankRegistered):
                     self.rank_pids[e.rank] = e.pid
+                elif isinstance(e, s.RankGone):
+                    self.gone_ranks.append(e.rank)
                 elif isinstance(e, s.HangDetected):
                     self._hangs.put(e)
                 try:
@@ -238,6 +242,8 @@ class Session:
         )
         if topo.in_process:
             env["MIRAGE_IN_PROCESS"] = "1"
+        if topo.faults:
+            env[faults.ENV] = ";".join(f.spec() for f in topo.faults)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_BOOT_DIR, env.get("PYTHONPATH")) if p)
         return env
 
@@ -331,8 +337,12 @@ class Session:
                     if b"Traceback (most recent call last)" in f.read():
                         rank = int(name.split("-")[1].split(".")[0])
                         raised.append(f"rank {rank} raised (log: {self.run.rank_log(rank)})")
+        first_gone = ""
+        if self.gone_ranks and not who.startswith("rank"):
+            r = self.gone_ranks[0]
+            first_gone = f"; rank {r} was the first rank to go (log: {self.run.rank_log(r)})"
         where = "; ".join(raised) or f"log: {self.run.node_log(node)}"
-        return f"{who} {how}; {where}"
+        return f"{who} {how}{first_gone}; {where}"
 
     def _terminate_nodes(self) -> None:
         for proc in self.nodes:

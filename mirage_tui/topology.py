@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 from enum import Enum
 
+from emulator.faults import Fault
 from emulator.profiles import DEFAULT_PROFILE, ProfileError, load_profile
 
 MAX_GPUS_PER_NODE = 64
@@ -45,6 +46,7 @@ class Topology:
     log_dir: str | None = None
     hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
     on_hang: OnHang = OnHang.EXIT
+    faults: tuple[Fault, ...] = ()  # --inject
     command: tuple[str, ...] = ()  # the program and its own arguments
 
     @property

@@ -24,6 +24,7 @@ import torch.distributed.distributed_c10d as c10d
 from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
+from emulator import faults
 from emulator import schema as s
 from shim import client as cl
 from shim import device as dev
@@ -105,6 +106,30 @@ def _into(dst: torch.Tensor) -> Callable[[torch.Tensor], None]:
     return lambda flat: dst.copy_(flat.view(dst.shape))
 
 
+#: --inject faults for this process, and whether its default group exists yet (faults count its seqs).
+_FAULTS = [f for f in faults.parse_env(os.environ.get(faults.ENV, "")) if f.rank == int(os.environ.get("RANK", "0"))]
+_default_taken = False
+
+
+def _inject(seq: int) -> bool:
+    """Act out a fault planned for collective ``seq``; True when the collective is to be skipped."""
+    for f in _FAULTS:
+        if f.seq != seq:
+            continue
+        _FAULTS.remove(f)  # once: a skipped collective's number comes round again
+        print(f"mirage: injecting {f.action.value} at collective #{seq} of rank {f.rank}", file=sys.stderr, flush=True)
+        if f.action is faults.Action.DELAY:
+            time.sleep(f.delay_s)
+        elif f.action is faults.Action.HANG:
+            while True:
+                time.sleep(3600)
+        elif f.action is faults.Action.CRASH:
+            os.abort()
+        else:
+            return True
+    return False
+
+
 #: One collective in flight per process (see ``MirageProcessGroup._run``).
 _COLLECTIVE_LOCK = threading.Lock()
 
@@ -120,6 +145,8 @@ class MirageProcessGroup(dist.ProcessGroup):
         self._group_name = ""
         self._group_desc = ""
         self._in_process = os.environ.get("MIRAGE_IN_PROCESS") == "1"
+        global _default_taken
+        self._is_default, _default_taken = not _default_taken, True
         if self._in_process:
             if size > 1:
                 raise dist.DistBackendError(IN_PROCESS_MESSAGE)
@@ -172,6 +199,8 @@ class MirageProcessGroup(dist.ProcessGroup):
         One collective at a time per process: every group stages into the same
         arena, so staging, waiting and copying out happen under one lock.
         """
+        if self._is_default and _FAULTS and _inject(self._seq + 1):
+            return  # skipped: this rank's code "never called" it, so its sequence number stays
         numel = sum(t.numel() for t in inputs)
         device = dev.STATE.current if device is None else device
         if self._in_process:

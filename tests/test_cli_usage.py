@@ -181,3 +181,18 @@ def test_validate_accepts_defaults_with_a_command():
 def test_validate_checks_env_keys():
     with pytest.raises(UsageError, match="not a valid environment variable name"):
         validate(Topology(env=(("BAD KEY", "1"),), command=("x",)))
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("rank=1,seq=7", "expected rank=R,seq=N,action=hang|delay:2s|crash|skip"),
+        ("rank=1,seq=7,action=explode", "unknown action 'explode'"),
+        ("rank=x,seq=7,action=hang", "rank and seq must be whole numbers"),
+        ("rank=1,seq=0,action=hang", "rank counts from 0 and seq from 1"),
+    ],
+)
+def test_inject_usage_errors(tmp_path, spec, message):
+    r = mirage(tmp_path, "run", "--inject", spec, "--", "python", "t.py")
+    assert r.returncode == 2
+    assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1

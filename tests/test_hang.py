@@ -87,3 +87,37 @@ def test_mismatched_sizes_fail_fast_on_every_rank(tmp_path):
     assert "mismatch.py:13:<module>" in r.stderr  # the call sites are named
     for rank in (0, 1):
         assert "Detected mismatch" in (run_dir(tmp_path) / f"rank-{rank}.log").read_text()
+
+
+def inject(tmp_path, action: str):
+    return mirage_run(tmp_path, "--gpus-per-node", "2", "--hang-timeout", str(HANG_TIMEOUT_S),
+                      "--inject", f"rank=1,seq=5,action={action}", "--",
+                      "torchrun", "--standalone", "--nproc_per_node=2", str(FIXTURES / "allreduce_loop.py"))
+
+
+def test_inject_hang(tmp_path):
+    r = inject(tmp_path, "hang")
+    assert r.returncode == 124, r.stderr
+    assert "[1] mirage: injecting hang at collective #5 of rank 1" in r.stderr
+    assert "missing ranks: {1}" in r.stderr
+    assert "[1] finished collective #4, but didn't join collective #5" in r.stderr
+
+
+def test_inject_crash(tmp_path):
+    r = inject(tmp_path, "crash")
+    assert r.returncode not in (0, 124), r.stderr
+    assert "rank 1 was the first rank to go" in r.stderr
+
+
+def test_inject_skip_leaves_a_rank_one_collective_behind(tmp_path):
+    r = inject(tmp_path, "skip")
+    assert r.returncode != 0
+    # rank 1 finishes its loop one collective early and exits; rank 0 waits for #10 in vain
+    assert "[1] [rank 1] allreduce_loop_ok" in r.stdout
+    assert "rank 1 (pid" in r.stderr and "exited while ranks {0} wait in collective #10" in r.stderr
+
+
+def test_inject_delay_only_slows(tmp_path):
+    r = inject(tmp_path, "delay:500ms")
+    assert r.returncode == 0, r.stderr
+    assert "[0] [rank 0] allreduce_loop_ok" in r.stdout
