@@ -81,6 +81,11 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
         f"(default: {DEFAULT_HANG_TIMEOUT_S:g})",
     )
     parser.add_argument(
+        "--report",
+        metavar="FILE",
+        help="also write the run's JSON report (exit codes, collectives, findings) to FILE",
+    )
+    parser.add_argument(
         "--inject",
         action="append",
         default=[],
@@ -130,6 +135,7 @@ def _topology(ns: argparse.Namespace, command: tuple[str, ...] | None, help_prog
             hang_timeout_s=ns.hang_timeout,
             on_hang=OnHang(ns.on_hang),
             faults=tuple(_fault(spec) for spec in ns.inject),
+            report=ns.report,
             command=command or (),
         )
         validate(topology)
@@ -190,11 +196,43 @@ def _dispatch(
         return USAGE_EXIT
 
 
+def _print_status(run_dir: str | None, log_dir: str | None) -> int:
+    """``mirage status``: the collective ledger of a run, from its events.jsonl."""
+    import os
+    import time
+
+    from mirage_tui.runstate import RunState
+
+    if run_dir is None:
+        root = log_dir or os.path.join(".mirage", "runs")
+        runs = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d))) if os.path.isdir(root) else []
+        if not runs:
+            raise UsageError(f"no runs under {root}; pass a run directory")
+        run_dir = os.path.join(root, runs[-1])
+    journal = os.path.join(run_dir, "events.jsonl")
+    if not os.path.isfile(journal):
+        raise UsageError(f"{run_dir} is not a mirage run directory (it has no events.jsonl)")
+    state = RunState.from_journal(journal)
+    if state.ended is None:
+        print(f"run {run_dir}: live")
+    else:
+        print(f"run {run_dir}: ended with exit {state.ended.returncode}: {state.ended.summary}")
+    # a live run's ages count to now; an ended run's to its last event
+    print(state.ledger_table(now=None if state.ended else time.time()))
+    for h in state.hangs:
+        print(f"hang: collective #{h.seq} ({h.op.name}) of {h.comm[:8]}: missing ranks {set(h.missing)}")
+    return 0
+
+
 def _mirage(ns: argparse.Namespace, command: tuple[str, ...] | None) -> int:
     if ns.cmd == "profiles":
         if command is not None:
             raise UsageError("'mirage profiles' takes no command after --")
         return _print_profiles()
+    if ns.cmd == "status":
+        if command is not None:
+            raise UsageError("'mirage status' takes no command after --")
+        return _print_status(ns.run_dir, ns.log_dir)
     return _run(_topology(ns, command, "mirage run"))
 
 
@@ -221,6 +259,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     _add_run_flags(run)
     sub.add_parser("profiles", help="list the GPU models mirage can emulate")
+    status = sub.add_parser("status", help="where every rank is in every communicator, live or after the run")
+    status.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help="a run directory (default: the latest run)")
+    status.add_argument("--log-dir", metavar="DIR", help="where runs are kept (default: .mirage/runs)")
     return _dispatch(parser, argv, _mirage)
 
 

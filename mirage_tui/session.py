@@ -10,6 +10,7 @@ the daemon last, then anything still carrying the session's id.
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import signal
@@ -31,6 +32,7 @@ from emulator.arena import session_segments
 from emulator.daemon import endpoints
 from mirage_tui import diagnosis, rundir
 from mirage_tui.output import RankTail, pump_pipe
+from mirage_tui.runstate import RunState
 from mirage_tui.topology import OnHang, Topology
 
 #: How long the other nodes may keep running after one failed.
@@ -91,7 +93,9 @@ class Session:
         # what the dispatcher learns, for diagnosing hangs (written by it only)
         self.rank_pids: dict[int, int] = {}
         self.last_output: dict[int, tuple[str, float]] = {}
+        self._exited: set[int] = set()  # nodes whose exit was emitted
         self.gone_ranks: list[int] = []  # in the order the daemon noticed them
+        self.state = RunState()  # the fold of every event, for the report
         self._hangs: queue.Queue[s.HangDetected] = queue.Queue()
 
     # ------------------------------------------------------------ events
@@ -115,6 +119,7 @@ class Session:
                     self._journal.flush()
                     return
                 self._journal.write(s.encode(e) + b"\n")
+                self.state.apply(e)
                 if isinstance(e, s.OutputLine):
                     self._log_line(e)
                     if e.rank >= 0:
@@ -274,7 +279,6 @@ class Session:
         """Block until every node exited (or one failed and the rest were stopped)."""
         first_failure: tuple[int, int] | None = None
         failed_at = 0.0
-        reported: set[int] = set()
         while True:
             running = 0
             for node, proc in enumerate(self.nodes):
@@ -282,11 +286,8 @@ class Session:
                 if code is None:
                     running += 1
                     continue
-                if node not in reported:
-                    reported.add(node)
-                    self.emit(s.ProcessExited(node=node, pid=proc.pid, returncode=code))
-                    if code != 0 and first_failure is None:
-                        first_failure, failed_at = (node, code), time.monotonic()
+                if self._note_exit(node, proc) and code != 0 and first_failure is None:
+                    first_failure, failed_at = (node, code), time.monotonic()
             if not running:
                 break
             if self.daemon is not None and self.daemon.poll() is not None and first_failure is None:
@@ -304,6 +305,36 @@ class Session:
         if node < 0:
             return Outcome(1, f"the mirage daemon died (see {self.run.path}/daemon.log)", self.run.path)
         return Outcome(code if code > 0 else 128 - code, self._failure_summary(node, code), self.run.path)
+
+    def _write_report(self, outcome: Outcome | None) -> None:
+        """``report.json`` in the run directory (and at ``--report FILE``): the run in one document."""
+        topo, st = self.topology, self.state
+        report = {
+            "run_dir": self.run.path,
+            "topology": {
+                "profile": topo.profile, "num_nodes": topo.num_nodes, "gpus_per_node": topo.gpus_per_node,
+                "command": list(topo.command), "env": dict(topo.env), "in_process": topo.in_process,
+                "hang_timeout_s": topo.hang_timeout_s, "faults": [f.spec() for f in topo.faults],
+            },
+            "returncode": None if outcome is None else outcome.returncode,
+            "summary": None if outcome is None else outcome.summary,
+            "duration_s": None if st.started_at is None else round(st.last_t - st.started_at, 3),
+            "nodes": {str(n): {"returncode": code, "log": self.run.node_log(n)} for n, code in st.node_exits.items()},
+            "ranks": {
+                str(r): {"pid": pid, "log": self.run.rank_log(r)}
+                for r, pid in sorted(st.rank_pids.items())
+            },
+            "communicators": st.to_json(),
+            "hangs": [
+                {"comm": h.comm, "seq": h.seq, "op": h.op.name, "joined": h.joined, "missing": h.missing,
+                 "waited_s": h.waited_s}
+                for h in st.hangs
+            ],
+        }
+        text = json.dumps(report, indent=2)
+        for path in {os.path.join(self.run.path, "report.json"), *( [topo.report] if topo.report else [])}:
+            with open(path, "w") as f:
+                f.write(text + "\n")
 
     def _report_hangs(self) -> str | None:
         """Diagnose every hang the daemon reported since the last call; return a summary of the first."""
@@ -344,6 +375,14 @@ class Session:
         where = "; ".join(raised) or f"log: {self.run.node_log(node)}"
         return f"{who} {how}{first_gone}; {where}"
 
+    def _note_exit(self, node: int, proc: subprocess.Popen) -> bool:
+        """Emit ``process_exited`` for an ended node the first time it is seen; True if this was it."""
+        if node in self._exited:
+            return False
+        self._exited.add(node)
+        self.emit(s.ProcessExited(node=node, pid=proc.pid, returncode=proc.returncode))
+        return True
+
     def _terminate_nodes(self) -> None:
         for proc in self.nodes:
             # the group too when its leader is gone: a dead torchrun agent leaves workers
@@ -361,6 +400,8 @@ class Session:
                 except ProcessLookupError:
                     pass
                 proc.wait()
+        for node, proc in enumerate(self.nodes):
+            self._note_exit(node, proc)
 
     def _sweep(self) -> None:
         """Kill anything still carrying this session's id (escaped process groups)."""
@@ -404,6 +445,7 @@ class Session:
             if t.name == "dispatch":
                 t.join(10)
         self._journal.close()
+        self._write_report(outcome)
         for f in self._log_files.values():
             f.close()  # type: ignore[attr-defined]
         self._ctx.destroy(linger=0)

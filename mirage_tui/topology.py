@@ -47,6 +47,7 @@ class Topology:
     hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
     on_hang: OnHang = OnHang.EXIT
     faults: tuple[Fault, ...] = ()  # --inject
+    report: str | None = None  # --report FILE: the run's JSON report, besides run_dir/report.json
     command: tuple[str, ...] = ()  # the program and its own arguments
 
     @property

@@ -196,3 +196,11 @@ def test_inject_usage_errors(tmp_path, spec, message):
     r = mirage(tmp_path, "run", "--inject", spec, "--", "python", "t.py")
     assert r.returncode == 2
     assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_status_of_something_that_is_not_a_run(tmp_path):
+    r = mirage(tmp_path, "status", str(tmp_path))
+    assert r.returncode == 2
+    assert "is not a mirage run directory (it has no events.jsonl)" in r.stderr
+    r = mirage(tmp_path, "status", "--log-dir", str(tmp_path / "none"))
+    assert r.returncode == 2 and "no runs under" in r.stderr

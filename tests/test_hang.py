@@ -17,7 +17,9 @@ HANG_TIMEOUT_S = 2.0
 
 
 def test_skipped_all_reduce_is_reported_with_rank_seq_and_line(tmp_path):
-    r = mirage_run(tmp_path, "--gpus-per-node", "2", "--hang-timeout", str(HANG_TIMEOUT_S), "--",
+    report_file = tmp_path / "report-copy.json"
+    r = mirage_run(tmp_path, "--gpus-per-node", "2", "--hang-timeout", str(HANG_TIMEOUT_S),
+                   "--report", str(report_file), "--",
                    "torchrun", "--standalone", "--nproc_per_node=2", str(FIXTURES / "skip_allreduce.py"))
     assert r.returncode == 124, r.stderr
     assert "HANG: collective #3 (ALLREDUCE, 8 x float32)" in r.stderr
@@ -32,6 +34,16 @@ def test_skipped_all_reduce_is_reported_with_rank_seq_and_line(tmp_path):
     assert [m["rank"] for m in report["missing"]] == [1]
     assert report["ranks"]["1"]["process"] in ("sleeping", "running")
     assert "skip_allreduce.py" in (d / "stacks.txt").read_text()
+
+    run_report = json.loads(report_file.read_text())
+    assert run_report == json.loads((d / "report.json").read_text())
+    assert run_report["returncode"] == 124
+    assert run_report["topology"]["gpus_per_node"] == 2
+    assert run_report["nodes"]["0"]["returncode"] != 0
+    assert set(run_report["ranks"]) == {"0", "1"}
+    (comm,) = run_report["communicators"].values()
+    assert comm["ranks"]["0"]["last_enqueued"] == 3 and comm["ranks"]["1"]["last_completed"] == 2
+    assert run_report["hangs"][0]["missing"] == [1]
 
     evs = events(tmp_path)
     (hang,) = [e for e in evs if e["type"] == "hang"]
@@ -55,6 +67,12 @@ def test_on_hang_wait_keeps_the_run_alive(tmp_path):
         assert list(tmp_path.glob("*/hang-report.json")), "no hang reported"
         time.sleep(1)
         assert proc.poll() is None, "the run ended although --on-hang wait"
+        status = subprocess.run([sys.executable, "-m", "mirage_tui", "status", "--log-dir", str(tmp_path)],
+                                cwd=REPO_ROOT, capture_output=True, text=True, timeout=30)
+        assert status.returncode == 0, status.stderr
+        assert ": live" in status.stdout
+        rank0 = next(line for line in status.stdout.splitlines() if line.strip().startswith("0 "))
+        assert "#3" in rank0 and "skip_allreduce.py:17" in rank0 and rank0.endswith("*")
     finally:
         proc.send_signal(2)
         out, err = proc.communicate(timeout=30)
