@@ -26,6 +26,7 @@ from emulator.hang import HangDetector
 from emulator.kernels import KernelError
 from emulator.ledger import CommError, Communicator, Ledger, Posted
 from emulator.scheduler import Job, WaveScheduler, make_job
+from emulator.straggler import StragglerDetector
 
 RPC_SOCKET = "rpc.sock"
 EVENT_SOCKET = "events.sock"
@@ -64,6 +65,7 @@ class Daemon:
         self.ledger = Ledger()
         self.scheduler = WaveScheduler()
         self.hangs = HangDetector(hang_timeout_s)
+        self.stragglers = StragglerDetector()
         self.rank_pids: dict[int, int] = {}  # global rank -> pid, from Hello
         self.dead: dict[int, str] = {}  # global rank -> how it went
         self.arenas: dict[str, Arena] = {}
@@ -164,6 +166,9 @@ class Daemon:
             return self.fail(comm, e, extra=[Posted(client, req)])
         if matched is None:
             return
+        warning = self.stragglers.observe(comm, matched)
+        if warning is not None:
+            self.publish(warning)
         try:
             job = make_job(comm, matched, self.arena)
         except (ArenaError, KernelError, OSError) as e:

@@ -286,6 +286,17 @@ class HangDetected(Event):
 
 
 @dataclass(frozen=True)
+class StragglerWarning(Event):
+    """Global rank ``rank`` arrived last, ``mean_margin_s`` behind the others, ``count`` times in a row."""
+
+    TYPE: ClassVar[str] = "straggler"
+    comm: str = ""
+    rank: int = 0
+    count: int = 0
+    mean_margin_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class HangReport(Event):
     """The session's diagnosis of a hang (rendered text; JSON in ``path``)."""
 

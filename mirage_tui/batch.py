@@ -21,6 +21,12 @@ def _print_event(event: s.Event) -> None:
         out.flush()
     elif isinstance(event, s.HangReport):
         print(f"mirage: {event.text}", file=sys.stderr, flush=True)
+    elif isinstance(event, s.StragglerWarning):
+        print(
+            f"mirage: warning: rank {event.rank} arrived last at {event.count} collectives in a row of communicator "
+            f"{event.comm[:8]}, {event.mean_margin_s:.2f} s after the others on average (a straggler)",
+            file=sys.stderr, flush=True,
+        )
     elif isinstance(event, s.CommFailed):
         print(f"mirage: communicator {event.comm[:8]} failed: {event.code}: {event.message}", file=sys.stderr, flush=True)
 

@@ -139,3 +139,12 @@ def test_inject_delay_only_slows(tmp_path):
     r = inject(tmp_path, "delay:500ms")
     assert r.returncode == 0, r.stderr
     assert "[0] [rank 0] allreduce_loop_ok" in r.stdout
+
+
+def test_straggler_is_warned_about_and_the_run_succeeds(tmp_path):
+    r = mirage_run(tmp_path, "--gpus-per-node", "3", "--", "torchrun", "--standalone", "--nproc_per_node=3",
+                   str(FIXTURES / "slow_rank.py"))
+    assert r.returncode == 0, r.stderr
+    assert "mirage: warning: rank 1 arrived last at 5 collectives in a row" in r.stderr
+    (warning,) = [e for e in events(tmp_path) if e["type"] == "straggler"]
+    assert warning["rank"] == 1 and warning["mean_margin_s"] >= 0.25
