@@ -174,7 +174,9 @@ def render(d: HangDiagnosis) -> str:
     for rank, site in zip(f.joined, f.sites):
         lines.append(f"  [{rank}] joined collective #{f.seq} at {site or '?'}")
     for rank, enq, done in zip(f.missing, f.last_enqueued, f.last_completed):
-        if enq > done:
+        if enq == 0:
+            lines.append(f"  [{rank}] never joined any collective of this communicator")
+        elif enq > done:
             lines.append(f"  [{rank}] joined but didn't finish collective #{enq} (count from 1)")
         else:
             lines.append(f"  [{rank}] finished collective #{done}, but didn't join collective #{f.seq}")

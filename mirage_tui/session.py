@@ -94,6 +94,7 @@ class Session:
         self.rank_pids: dict[int, int] = {}
         self.last_output: dict[int, tuple[str, float]] = {}
         self._exited: set[int] = set()  # nodes whose exit was emitted
+        self._tearing_down = False
         self.gone_ranks: list[int] = []  # in the order the daemon noticed them
         self.state = RunState()  # the fold of every event, for the report
         self._hangs: queue.Queue[s.HangDetected] = queue.Queue()
@@ -130,6 +131,8 @@ class Session:
                     self.gone_ranks.append(e.rank)
                 elif isinstance(e, s.HangDetected):
                     self._hangs.put(e)
+                if self._tearing_down and isinstance(e, s.CommFailed):
+                    continue  # ranks we are stopping take their communicators with them: not news
                 try:
                     self.sink(e)
                 except Exception:  # a broken display must not stop the journal
@@ -384,6 +387,7 @@ class Session:
         return True
 
     def _terminate_nodes(self) -> None:
+        self._tearing_down = True
         for proc in self.nodes:
             # the group too when its leader is gone: a dead torchrun agent leaves workers
             try:

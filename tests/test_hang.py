@@ -148,3 +148,32 @@ def test_straggler_is_warned_about_and_the_run_succeeds(tmp_path):
     assert "mirage: warning: rank 1 arrived last at 5 collectives in a row" in r.stderr
     (warning,) = [e for e in events(tmp_path) if e["type"] == "straggler"]
     assert warning["rank"] == 1 and warning["mean_margin_s"] >= 0.25
+
+
+def test_subgroup_hang_names_the_subgroup_and_leaves_the_default_group_alone(tmp_path):
+    r = mirage_run(tmp_path, "--gpus-per-node", "4", "--hang-timeout", str(HANG_TIMEOUT_S), "--",
+                   "torchrun", "--standalone", "--nproc_per_node=4", str(FIXTURES / "subgroup_hang.py"))
+    assert r.returncode == 124, r.stderr
+    assert "(2 ranks) has waited" in r.stderr
+    assert "joined ranks: {2}" in r.stderr and "missing ranks: {3}" in r.stderr
+    assert "[3] never joined any collective of this communicator" in r.stderr
+    hangs = [e for e in events(tmp_path) if e["type"] == "hang"]
+    assert len(hangs) == 1  # the default group, where everyone finished, is not reported
+    assert "mirage: communicator" not in r.stderr  # stopping the ranks after the report is not news
+
+
+def test_mismatched_ops_fail_fast(tmp_path):
+    r = mirage_run(tmp_path, "--gpus-per-node", "2", "--", "torchrun", "--standalone", "--nproc_per_node=2",
+                   str(FIXTURES / "mismatch_op.py"))
+    assert r.returncode != 0
+    assert "silently wrong result" not in r.stdout
+    assert "Rank 0 is running collective: CollectiveFingerPrint(SequenceNumber=2, OpType=ALLREDUCE" in r.stderr
+    assert "but Rank 1 is running collective: CollectiveFingerPrint(SequenceNumber=2, OpType=BROADCAST" in r.stderr
+
+
+def test_rank_raising_under_ddp_ends_the_run_with_its_traceback(tmp_path):
+    r = mirage_run(tmp_path, "--gpus-per-node", "2", "--", "torchrun", "--standalone", "--nproc_per_node=2",
+                   str(FIXTURES / "ddp_raise.py"))
+    assert r.returncode != 0
+    assert "rank 1 raised" in r.stderr
+    assert "ValueError: bad batch on rank 1 at step 5" in (run_dir(tmp_path) / "rank-1.log").read_text()
