@@ -140,10 +140,12 @@ class Ledger:
         first = matched[0].request
         for p in matched[1:]:
             r = p.request
-            same = (r.op, r.dtype, r.numel) == (first.op, first.dtype, first.numel)
-            if r.op in (CollOp.ALLREDUCE, CollOp.REDUCE_SCATTER):
+            same = (r.op, r.dtype) == (first.op, first.dtype)
+            if r.op is not CollOp.ALLTOALL:  # all-to-all sizes differ per rank by design
+                same = same and r.numel == first.numel
+            if r.op in (CollOp.ALLREDUCE, CollOp.REDUCE, CollOp.REDUCE_SCATTER):
                 same = same and r.reduce_op == first.reduce_op
-            if r.op is CollOp.BROADCAST:
+            if r.op in (CollOp.BROADCAST, CollOp.REDUCE, CollOp.GATHER, CollOp.SCATTER):
                 same = same and r.root == first.root
             if not same:
                 raise CommError(

@@ -19,7 +19,7 @@ import numpy as np
 from emulator import kernels
 from emulator.arena import Arena
 from emulator.ledger import Communicator, Posted
-from emulator.schema import CollOp
+from emulator.schema import CollOp, Collective
 
 CHUNK_BYTES = 2 << 20
 WAVE_BYTES = 16 << 20
@@ -40,6 +40,7 @@ class Job:
     started: float = field(default_factory=time.monotonic)
     error: Exception | None = None  # set when a kernel raised; the job is then finished
     last_progress: float = 0.0  # when a progress event last went out
+    plan: list = field(default_factory=list)  # ALLTOALL: the copies to make (see _alltoall)
 
     @property
     def first(self):
@@ -87,34 +88,112 @@ def _reduce_scatter(job: Job, a: int, b: int) -> None:
         job.outputs[r][lo - r * n : hi - r * n] = acc
 
 
+def _reduce(job: Job, a: int, b: int) -> None:
+    req = job.first
+    job.outputs[req.root][a:b] = kernels.reduce([x[a:b] for x in job.inputs], req.reduce_op, req.dtype)
+
+
+def _gather(job: Job, a: int, b: int) -> None:
+    n = job.first.numel
+    out = job.outputs[job.first.root]
+    for k in range(a // n, (b - 1) // n + 1):
+        lo, hi = max(a, k * n), min(b, (k + 1) * n)
+        out[lo:hi] = job.inputs[k][lo - k * n : hi - k * n]
+
+
+def _scatter(job: Job, a: int, b: int) -> None:
+    # unit g is element g % n of rank g // n's output, taken from the root's input
+    n = job.first.numel
+    src = job.inputs[job.first.root]
+    for r in range(a // n, (b - 1) // n + 1):
+        lo, hi = max(a, r * n), min(b, (r + 1) * n)
+        job.outputs[r][lo - r * n : hi - r * n] = src[lo:hi]
+
+
+def _alltoall(job: Job, a: int, b: int) -> None:
+    # the plan lists copies (unit start, length, src rank, src offset, dst rank, dst offset) in unit order
+    for start, length, src, src_off, dst, dst_off in job.plan:
+        lo, hi = max(a, start), min(b, start + length)
+        if lo < hi:
+            job.outputs[dst][dst_off + lo - start : dst_off + hi - start] = job.inputs[src][
+                src_off + lo - start : src_off + hi - start
+            ]
+
+
 _KERNELS = {
     CollOp.ALLREDUCE: _allreduce,
     CollOp.BROADCAST: _broadcast,
+    CollOp.REDUCE: _reduce,
     CollOp.ALLGATHER: _allgather,
+    CollOp.GATHER: _gather,
+    CollOp.SCATTER: _scatter,
     CollOp.REDUCE_SCATTER: _reduce_scatter,
+    CollOp.ALLTOALL: _alltoall,
     CollOp.BARRIER: lambda job, a, b: None,
 }
+
+
+def _alltoall_plan(reqs: list[Collective]) -> tuple[list[tuple[int, int, int, int, int, int]], list[int]]:
+    """Copy segments for an all-to-all, and each rank's output size, from every rank's splits."""
+    world = len(reqs)
+    for r in reqs:
+        if len(r.splits) != world or sum(r.splits) != r.numel or min(r.splits, default=0) < 0:
+            raise kernels.KernelError(
+                f"rank {r.rank}: all_to_all splits {r.splits} must be {world} sizes adding up to {r.numel}"
+            )
+    plan, unit = [], 0
+    out_sizes = [sum(reqs[k].splits[d] for k in range(world)) for d in range(world)]
+    for dst in range(world):
+        dst_off = 0
+        for src in range(world):
+            length = reqs[src].splits[dst]
+            if length:
+                plan.append((unit, length, src, sum(reqs[src].splits[:dst]), dst, dst_off))
+            unit += length
+            dst_off += length
+    return plan, out_sizes
 
 
 def make_job(comm: Communicator, posted: list[Posted], arena_of: Callable[[str], Arena]) -> Job:
     """Map every rank's buffers for a matched collective."""
     req = posted[0].request
+    reqs = [p.request for p in posted]
     size = kernels.itemsize(req.dtype)
-    n, world = req.numel, len(posted)
-    in_n, out_n, total = {
-        CollOp.ALLREDUCE: (n, n, n),
-        CollOp.BROADCAST: (n, n, n),
-        CollOp.ALLGATHER: (n, n * world, n * world),
-        CollOp.REDUCE_SCATTER: (n, req.out_numel, n),
-        CollOp.BARRIER: (0, 0, 0),
-    }[req.op]
-    if req.op in (CollOp.ALLREDUCE, CollOp.REDUCE_SCATTER):
+    n, world, root = req.numel, len(posted), req.root
+    if req.op in (CollOp.ALLREDUCE, CollOp.REDUCE, CollOp.REDUCE_SCATTER):
         kernels.check_reduce(req.reduce_op, req.dtype)  # here, not mid-wave where it would stop the daemon
     if req.op is CollOp.REDUCE_SCATTER and req.out_numel * world != n:
         raise kernels.KernelError(f"reduce_scatter input of {n} elements does not split into {world} x {req.out_numel}")
+    if req.op in (CollOp.BROADCAST, CollOp.REDUCE, CollOp.GATHER, CollOp.SCATTER) and not 0 <= root < world:
+        raise kernels.KernelError(f"root {root} is not a rank of this {world}-rank communicator")
+    plan: list = []
+    out_sizes: list[int] = []
+    if req.op is CollOp.ALLTOALL:
+        plan, out_sizes = _alltoall_plan(reqs)
+    # (input, output) elements of rank r
+    shapes = {
+        CollOp.ALLREDUCE: lambda r: (n, n),
+        CollOp.BROADCAST: lambda r: (n, n),
+        CollOp.REDUCE: lambda r: (n, n if r == root else 0),
+        CollOp.ALLGATHER: lambda r: (n, n * world),
+        CollOp.GATHER: lambda r: (n, n * world if r == root else 0),
+        CollOp.SCATTER: lambda r: (n * world if r == root else 0, n),
+        CollOp.REDUCE_SCATTER: lambda r: (n, req.out_numel),
+        CollOp.ALLTOALL: lambda r: (reqs[r].numel, out_sizes[r]),
+        CollOp.BARRIER: lambda r: (0, 0),
+    }[req.op]
+    # the units the kernel walks
+    total = {
+        CollOp.ALLGATHER: n * world,
+        CollOp.GATHER: n * world,
+        CollOp.SCATTER: n * world,
+        CollOp.ALLTOALL: sum(r.numel for r in reqs),
+        CollOp.BARRIER: 0,
+    }.get(req.op, n)
     inputs, outputs = [], []
-    for p in posted:
+    for rank, p in enumerate(posted):
         r = p.request
+        in_n, out_n = shapes(rank)
         arena = arena_of(r.arena) if total else None
         if arena is None:
             inputs.append(np.empty(0))
@@ -125,7 +204,7 @@ def make_job(comm: Communicator, posted: list[Posted], arena_of: Callable[[str],
             outputs.append(inputs[-1])  # in place, as NCCL allows
         else:
             outputs.append(kernels.typed(arena.bytes_view(r.out_off, out_n * size), r.dtype))
-    return Job(comm, posted, inputs, outputs, total, size, _KERNELS[req.op])
+    return Job(comm, posted, inputs, outputs, total, size, _KERNELS[req.op], plan=plan)
 
 
 class WaveScheduler:

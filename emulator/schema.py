@@ -47,8 +47,12 @@ class CollOp(str, Enum):
 
     ALLREDUCE = "allreduce"
     BROADCAST = "broadcast"
+    REDUCE = "reduce"
     ALLGATHER = "allgather"
+    GATHER = "gather"
+    SCATTER = "scatter"
     REDUCE_SCATTER = "reduce_scatter"
+    ALLTOALL = "alltoall"
     BARRIER = "barrier"
 
 
@@ -135,6 +139,7 @@ class Collective(Request):
     in_off: int = 0
     out_off: int = 0
     site: str = ""  # file:line:function of the call in the user's code
+    splits: list[int] = field(default_factory=list)  # ALLTOALL: elements this rank sends to each rank
 
 
 # ---------------------------------------------------------------- replies

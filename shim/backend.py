@@ -193,7 +193,8 @@ class MirageProcessGroup(dist.ProcessGroup):
     # -- the engine: one collective, in the arena, through the daemon
     def _run(self, op: s.CollOp, inputs: list[torch.Tensor], out_numel: int, dtype: torch.dtype,
              deliver: Callable[[torch.Tensor], None] | None = None, reduce_op=s.ReduceOp.SUM, root: int = 0,
-             device: int | None = None, stage: bool = True) -> None:
+             device: int | None = None, stage: bool = True, splits: list[int] | None = None,
+             numel: int | None = None) -> None:
         """Post one collective and hand its flat output to ``deliver``.
 
         One collective at a time per process: every group stages into the same
@@ -201,18 +202,19 @@ class MirageProcessGroup(dist.ProcessGroup):
         """
         if self._is_default and _FAULTS and _inject(self._seq + 1):
             return  # skipped: this rank's code "never called" it, so its sequence number stays
-        numel = sum(t.numel() for t in inputs)
+        staged_numel = sum(t.numel() for t in inputs)
+        numel = staged_numel if numel is None else numel  # what the daemon matches (scatter: the share)
         device = dev.STATE.current if device is None else device
         if self._in_process:
             if deliver is not None:
                 deliver(torch.cat([t.reshape(-1) for t in inputs]) if inputs else torch.empty(0, dtype=dtype))
             return
         esize = dtype.itemsize
-        out_off = cl.aligned(numel * esize)
+        out_off = cl.aligned(staged_numel * esize)
         same = op in (s.CollOp.ALLREDUCE, s.CollOp.BROADCAST)
         with _COLLECTIVE_LOCK:
             arena = self._client.arena(out_off + (0 if same else out_numel * esize))
-            staged = cl.arena_tensor(arena, 0, numel, dtype)
+            staged = cl.arena_tensor(arena, 0, staged_numel, dtype)
             if stage:
                 at = 0
                 for t in inputs:
@@ -223,6 +225,7 @@ class MirageProcessGroup(dist.ProcessGroup):
                 comm=self._comm, seq=self._seq, rank=self._rank, op=op, reduce_op=reduce_op,
                 dtype=str(dtype).removeprefix("torch."), numel=numel, out_numel=out_numel, root=root,
                 device=device, arena=arena.name, in_off=0, out_off=0 if same else out_off, site=_call_site(),
+                splits=splits or [],
             )
             started = time.monotonic()
             try:
@@ -295,6 +298,83 @@ class MirageProcessGroup(dist.ProcessGroup):
         self._run(s.CollOp.REDUCE_SCATTER, [elem], output.numel(), elem.dtype, _into(_flat(output)),
                   reduce_op=_reduce_op(opts), device=input._gpu)
         return self._done([output])
+
+    def reduce(self, tensors, opts=None):
+        root = opts.rootRank if opts is not None else 0
+        for t in tensors:
+            elem = _flat(t)
+            mine = self._rank == root
+            # NCCL leaves non-root buffers as they were: only the root receives
+            self._run(s.CollOp.REDUCE, [elem], elem.numel() if mine else 0, elem.dtype,
+                      _into(elem) if mine else None, reduce_op=_reduce_op(opts), root=root, device=t._gpu)
+        return self._done(tensors)
+
+    def gather(self, output_lists, inputs, opts=None):
+        root = opts.rootRank if opts is not None else 0
+        elem = _flat(inputs[0])
+        outs = output_lists[0] if output_lists else []
+
+        def scatter(flat, n=elem.numel()):
+            for k, o in enumerate(outs):
+                _flat(o).copy_(flat[k * n : (k + 1) * n].view(o.shape))
+
+        self._run(s.CollOp.GATHER, [elem], elem.numel() * self._size if outs else 0, elem.dtype,
+                  scatter if outs else None, root=root, device=inputs[0]._gpu)
+        return self._done(output_lists)
+
+    def scatter(self, outputs, input_lists, opts=None):
+        root = opts.rootRank if opts is not None else 0
+        out = _flat(outputs[0])
+        sources = [_flat(t) for t in input_lists[0]] if input_lists else []
+        # numel is the per-rank share, the same on every rank; only the root stages its list
+        self._run(s.CollOp.SCATTER, sources, out.numel(), out.dtype, _into(out), root=root,
+                  device=outputs[0]._gpu, stage=bool(sources), numel=out.numel())
+        return self._done(outputs)
+
+    def reduce_scatter(self, outputs, input_lists, opts=None):
+        out = _flat(outputs[0])
+        parts = [_flat(t) for t in input_lists[0]]
+        self._run(s.CollOp.REDUCE_SCATTER, parts, out.numel(), out.dtype, _into(out),
+                  reduce_op=_reduce_op(opts), device=outputs[0]._gpu)
+        return self._done(outputs)
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        src, dst = _flat(input), _flat(output)
+        # torch counts splits in rows of dim 0; the daemon in elements
+        row = src[0].numel() if src.dim() > 0 and src.size(0) else 1
+        splits = [n * row for n in input_split_sizes] if input_split_sizes else [src.numel() // self._size] * self._size
+        self._run(s.CollOp.ALLTOALL, [src], dst.numel(), src.dtype, _into(dst), device=input._gpu, splits=splits)
+        return self._done([output])
+
+    all_to_all_single = alltoall_base
+
+    def alltoall(self, outputs, inputs, opts=None):
+        srcs = [_flat(t) for t in inputs]
+        outs = [_flat(t) for t in outputs]
+
+        def spread(flat):
+            at = 0
+            for o in outs:
+                o.copy_(flat[at : at + o.numel()].view(o.shape))
+                at += o.numel()
+
+        self._run(s.CollOp.ALLTOALL, srcs, sum(o.numel() for o in outs), srcs[0].dtype, spread,
+                  device=inputs[0]._gpu, splits=[t.numel() for t in srcs])
+        return self._done(outputs)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        # one flat all-reduce over the concatenation, as NCCL's grouped calls amount to
+        elems = [_flat(t) for t in tensors]
+
+        def spread(flat):
+            at = 0
+            for e in elems:
+                e.copy_(flat[at : at + e.numel()].view(e.shape))
+                at += e.numel()
+
+        self._run(s.CollOp.ALLREDUCE, elems, sum(e.numel() for e in elems), elems[0].dtype, spread,
+                  reduce_op=_reduce_op(opts), device=tensors[0]._gpu)
+        return self._done(tensors)
 
     # the names torch.distributed calls from Python for the tensor forms
     all_gather_single = _allgather_base

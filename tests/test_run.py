@@ -174,9 +174,10 @@ def test_in_process_mode(tmp_path):
     assert "--in-process gives each process its own emulator; multi-process collectives need the daemon" in r.stderr
 
 
-def test_collectives_on_three_ranks(tmp_path):
-    r = mirage_run(tmp_path, "--gpus-per-node", "3", "--", "torchrun", "--standalone", "--nproc_per_node=3",
-                   str(FIXTURES / "collectives_check.py"))
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_collectives_match_their_definitions(tmp_path, ranks):
+    r = mirage_run(tmp_path, "--gpus-per-node", str(ranks), "--", "torchrun", "--standalone",
+                   f"--nproc_per_node={ranks}", str(FIXTURES / "collectives_check.py"))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "[0] collectives_ok" in r.stdout
 
