@@ -196,7 +196,7 @@ def _dispatch(
         return USAGE_EXIT
 
 
-def _print_status(run_dir: str | None, log_dir: str | None) -> int:
+def _print_status(run_dir: str | None, log_dir: str | None, fr_dump: bool) -> int:
     """``mirage status``: the collective ledger of a run, from its events.jsonl."""
     import os
     import time
@@ -221,6 +221,10 @@ def _print_status(run_dir: str | None, log_dir: str | None) -> int:
     print(state.ledger_table(now=None if state.ended else time.time()))
     for h in state.hangs:
         print(f"hang: collective #{h.seq} ({h.op.name}) of {h.comm[:8]}: missing ranks {set(h.missing)}")
+    if fr_dump:
+        from mirage_tui import flight_recorder
+
+        print(f"Flight Recorder dumps: {flight_recorder.dump_run(run_dir)}")
     return 0
 
 
@@ -232,7 +236,7 @@ def _mirage(ns: argparse.Namespace, command: tuple[str, ...] | None) -> int:
     if ns.cmd == "status":
         if command is not None:
             raise UsageError("'mirage status' takes no command after --")
-        return _print_status(ns.run_dir, ns.log_dir)
+        return _print_status(ns.run_dir, ns.log_dir, ns.fr_dump)
     return _run(_topology(ns, command, "mirage run"))
 
 
@@ -262,6 +266,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     status = sub.add_parser("status", help="where every rank is in every communicator, live or after the run")
     status.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help="a run directory (default: the latest run)")
     status.add_argument("--log-dir", metavar="DIR", help="where runs are kept (default: .mirage/runs)")
+    status.add_argument(
+        "--fr-dump", action="store_true",
+        help="also write Flight Recorder dumps (for torch's fr_trace) into RUN_DIR/flight-recorder",
+    )
     return _dispatch(parser, argv, _mirage)
 
 

@@ -35,6 +35,9 @@ DEFAULT_TIMEOUT_MS = 10 * 60 * 1000
 #: ``all_gather_into_tensor`` (both arrive as one ALLGATHER of a flat buffer);
 #: the list forms' names are the ones the analyzer checks sizes for
 #: (input numel x group size == output numel), so a size mismatch still shows.
+#: File name prefix of the dumps (torch's default TORCH_NCCL_DEBUG_INFO_TEMP_FILE basename).
+PREFIX = "nccl_trace_rank_"
+
 PROFILING_NAME = {
     s.CollOp.ALLREDUCE: "nccl:all_reduce",
     s.CollOp.BROADCAST: "nccl:broadcast",
@@ -212,7 +215,7 @@ def _dump(rank: int, groups: dict[str, _Group], calls: list[_Call]) -> dict:
     }
 
 
-def write_dumps(events: Iterable[s.Event], out_dir: str, prefix: str = "nccl_trace_rank_") -> list[str]:
+def write_dumps(events: Iterable[s.Event], out_dir: str, prefix: str = PREFIX) -> list[str]:
     """Write one Flight Recorder dump per global rank of ``events`` into ``out_dir``.
 
     Each file is ``<out_dir>/<prefix><global rank>``, a pickle in the layout

@@ -30,7 +30,7 @@ from emulator import faults
 from emulator import schema as s
 from emulator.arena import session_segments
 from emulator.daemon import endpoints
-from mirage_tui import diagnosis, rundir
+from mirage_tui import diagnosis, flight_recorder, rundir
 from mirage_tui.output import RankTail, pump_pipe
 from mirage_tui.runstate import RunState
 from mirage_tui.topology import OnHang, Topology
@@ -130,6 +130,7 @@ class Session:
                 elif isinstance(e, s.RankGone):
                     self.gone_ranks.append(e.rank)
                 elif isinstance(e, s.HangDetected):
+                    self._journal.flush()  # the diagnosis reads the journal (Flight Recorder dumps)
                     self._hangs.put(e)
                 if self._tearing_down and isinstance(e, s.CommFailed):
                     continue  # ranks we are stopping take their communicators with them: not news
@@ -351,7 +352,12 @@ class Session:
                 finding, dict(self.rank_pids), dict(self.last_output), self.run.ranks, self.run.session
             )
             path = diagnosis.write(d, self.run.path)
-            self.emit(s.HangReport(comm=finding.comm, seq=finding.seq, text=diagnosis.render(d), path=path))
+            fr = flight_recorder.dump_run(self.run.path)
+            text = (
+                f"{diagnosis.render(d)}\n  Flight Recorder dumps: {fr} "
+                f"(python -m torch.distributed.flight_recorder.fr_trace {fr} -p {flight_recorder.PREFIX})"
+            )
+            self.emit(s.HangReport(comm=finding.comm, seq=finding.seq, text=text, path=path))
             missing = ", ".join(map(str, finding.missing))
             summary = summary or (
                 f"hang in collective #{finding.seq} ({finding.op.name}): missing ranks {{{missing}}}; "

@@ -10,10 +10,8 @@ import sys
 import pytest
 
 from emulator import schema as s
-from mirage_tui.flight_recorder import dump_run, write_dumps
+from mirage_tui.flight_recorder import PREFIX, dump_run, write_dumps
 from test_run import FIXTURES, REPO_ROOT, mirage_run, run_dir
-
-PREFIX = "nccl_trace_rank_"
 SITE = "/job/train.py:42:train_step"
 
 

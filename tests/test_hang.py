@@ -73,6 +73,13 @@ def test_on_hang_wait_keeps_the_run_alive(tmp_path):
         assert ": live" in status.stdout
         rank0 = next(line for line in status.stdout.splitlines() if line.strip().startswith("0 "))
         assert "#3" in rank0 and "skip_allreduce.py:17" in rank0 and rank0.endswith("*")
+        dumped = subprocess.run(
+            [sys.executable, "-m", "mirage_tui", "status", "--fr-dump", "--log-dir", str(tmp_path)],
+            cwd=REPO_ROOT, capture_output=True, text=True, timeout=30,
+        )
+        assert "Flight Recorder dumps:" in dumped.stdout, dumped.stderr
+        assert sorted(p.name for p in tmp_path.glob("*/flight-recorder/*")) == [
+            "nccl_trace_rank_0", "nccl_trace_rank_1"]
     finally:
         proc.send_signal(2)
         out, err = proc.communicate(timeout=30)
