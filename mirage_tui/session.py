@@ -378,7 +378,7 @@ class Session:
                         rank = int(name.split("-")[1].split(".")[0])
                         raised.append(f"rank {rank} raised (log: {self.run.rank_log(rank)})")
         first_gone = ""
-        if self.gone_ranks and not who.startswith("rank"):
+        if self.gone_ranks and not who.startswith("rank") and not raised:
             r = self.gone_ranks[0]
             first_gone = f"; rank {r} was the first rank to go (log: {self.run.rank_log(r)})"
         where = "; ".join(raised) or f"log: {self.run.node_log(node)}"

@@ -9,6 +9,7 @@ copies the result back: the daemon reduces in place, over shared memory.
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import sys
@@ -32,6 +33,7 @@ from shim.cuda import NCCL_VERSION
 from shim.tensor import MirageTensor
 
 NAME = "mirage"
+NAME_WITH_GLOO = "mirage_gloo"
 IN_PROCESS_MESSAGE = (
     "--in-process gives each process its own emulator; multi-process collectives need the daemon "
     "— drop --in-process"
@@ -101,6 +103,22 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t._elem
 
 
+def _cpu_via_gloo(method):
+    """Send a collective of CPU tensors to the group's gloo half, or refuse it as ProcessGroupNCCL does."""
+
+    @functools.wraps(method)
+    def route(self, *args, **kwargs):
+        flat = [a for x in args for a in (x if isinstance(x, list) else [x])]
+        flat = [a for x in flat for a in (x if isinstance(x, list) else [x])]
+        if any(isinstance(a, MirageTensor) for a in flat):
+            return method(self, *args, **kwargs)
+        if self._cpu is None:
+            raise RuntimeError("No backend type associated with device type cpu")
+        return getattr(self._cpu, method.__name__)(*args, **kwargs)
+
+    return route
+
+
 def _into(dst: torch.Tensor) -> Callable[[torch.Tensor], None]:
     """A ``deliver`` that copies a collective's flat output into ``dst``."""
     return lambda flat: dst.copy_(flat.view(dst.shape))
@@ -137,8 +155,9 @@ _COLLECTIVE_LOCK = threading.Lock()
 class MirageProcessGroup(dist.ProcessGroup):
     """A communicator of ``size`` ranks, matched in the daemon by a store-agreed id."""
 
-    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta):
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta, cpu=None):
         super().__init__(rank, size)
+        self._cpu = cpu  # gloo, for CPU tensors, when the group was asked for "cpu:gloo,cuda:nccl"
         self._rank, self._size = rank, size
         self._timeout = timeout
         self._seq = 0
@@ -253,6 +272,7 @@ class MirageProcessGroup(dist.ProcessGroup):
         fut.set_result(result)
         return _create_work_from_future(fut)
 
+    @_cpu_via_gloo
     def allreduce(self, tensors, opts=None):
         op = _reduce_op(opts)
         for t in tensors:
@@ -260,6 +280,7 @@ class MirageProcessGroup(dist.ProcessGroup):
             self._run(s.CollOp.ALLREDUCE, [elem], elem.numel(), elem.dtype, _into(elem), reduce_op=op, device=t._gpu)
         return self._done(tensors)
 
+    @_cpu_via_gloo
     def broadcast(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
         for t in tensors:
@@ -269,6 +290,7 @@ class MirageProcessGroup(dist.ProcessGroup):
                       root=root, device=t._gpu, stage=mine)
         return self._done(tensors)
 
+    @_cpu_via_gloo
     def allgather(self, output_lists, inputs, opts=None):
         for outs, t in zip(output_lists, inputs):
             elem = _flat(t)
@@ -288,17 +310,20 @@ class MirageProcessGroup(dist.ProcessGroup):
             self._run(s.CollOp.ALLGATHER, [elem], n * self._size, elem.dtype, scatter, device=t._gpu)
         return self._done(output_lists)
 
+    @_cpu_via_gloo
     def _allgather_base(self, output, input, opts=None):
         elem = _flat(input)
         self._run(s.CollOp.ALLGATHER, [elem], output.numel(), elem.dtype, _into(_flat(output)), device=input._gpu)
         return self._done([output])
 
+    @_cpu_via_gloo
     def _reduce_scatter_base(self, output, input, opts=None):
         elem = _flat(input)
         self._run(s.CollOp.REDUCE_SCATTER, [elem], output.numel(), elem.dtype, _into(_flat(output)),
                   reduce_op=_reduce_op(opts), device=input._gpu)
         return self._done([output])
 
+    @_cpu_via_gloo
     def reduce(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
         for t in tensors:
@@ -309,6 +334,7 @@ class MirageProcessGroup(dist.ProcessGroup):
                       _into(elem) if mine else None, reduce_op=_reduce_op(opts), root=root, device=t._gpu)
         return self._done(tensors)
 
+    @_cpu_via_gloo
     def gather(self, output_lists, inputs, opts=None):
         root = opts.rootRank if opts is not None else 0
         elem = _flat(inputs[0])
@@ -322,6 +348,7 @@ class MirageProcessGroup(dist.ProcessGroup):
                   scatter if outs else None, root=root, device=inputs[0]._gpu)
         return self._done(output_lists)
 
+    @_cpu_via_gloo
     def scatter(self, outputs, input_lists, opts=None):
         root = opts.rootRank if opts is not None else 0
         out = _flat(outputs[0])
@@ -331,6 +358,7 @@ class MirageProcessGroup(dist.ProcessGroup):
                   device=outputs[0]._gpu, stage=bool(sources), numel=out.numel())
         return self._done(outputs)
 
+    @_cpu_via_gloo
     def reduce_scatter(self, outputs, input_lists, opts=None):
         out = _flat(outputs[0])
         parts = [_flat(t) for t in input_lists[0]]
@@ -338,6 +366,7 @@ class MirageProcessGroup(dist.ProcessGroup):
                   reduce_op=_reduce_op(opts), device=outputs[0]._gpu)
         return self._done(outputs)
 
+    @_cpu_via_gloo
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         src, dst = _flat(input), _flat(output)
         # torch counts splits in rows of dim 0; the daemon in elements
@@ -348,6 +377,7 @@ class MirageProcessGroup(dist.ProcessGroup):
 
     all_to_all_single = alltoall_base
 
+    @_cpu_via_gloo
     def alltoall(self, outputs, inputs, opts=None):
         srcs = [_flat(t) for t in inputs]
         outs = [_flat(t) for t in outputs]
@@ -362,6 +392,7 @@ class MirageProcessGroup(dist.ProcessGroup):
                   device=inputs[0]._gpu, splits=[t.numel() for t in srcs])
         return self._done(outputs)
 
+    @_cpu_via_gloo
     def allreduce_coalesced(self, tensors, opts=None):
         # one flat all-reduce over the concatenation, as NCCL's grouped calls amount to
         elems = [_flat(t) for t in tensors]
@@ -394,23 +425,39 @@ def _create(store, rank, size, timeout):
     return MirageProcessGroup(store, rank, size, timeout)
 
 
-def _to_mirage(backend):
-    return None if backend is None else str(backend).replace("nccl", NAME)
+def _create_with_gloo(store, rank, size, timeout):
+    return MirageProcessGroup(store, rank, size, timeout, cpu=dist.ProcessGroupGloo(
+        dist.PrefixStore("cpu/", store), rank, size, timeout=timeout))
+
+
+def _to_mirage(backend) -> str | None:
+    """Our backend for a requested one: cuda-only, or with gloo for CPU tensors (mixed or unspecified)."""
+    text = "undefined" if backend is None else str(backend)
+    if text == "undefined" or ("nccl" in text and "cpu:" in text):
+        return NAME_WITH_GLOO
+    return NAME if "nccl" in text else backend
 
 
 def install() -> None:
     """Register the backend and route ``"nccl"`` to it, keeping the name ``"nccl"`` visible."""
     dist.Backend.register_backend(NAME, _create, devices=["cuda", NAME])
+    dist.Backend.register_backend(NAME_WITH_GLOO, _create_with_gloo, devices=["cpu", "cuda", NAME])
     helper = c10d._new_process_group_helper
     register = c10d._register_pg_in_world
+    asked: list[str] = []  # what the user asked for, shown back by get_backend
 
     def new_process_group_helper(group_size, group_rank, global_ranks_in_group, backend, *args, **kwargs):
-        return helper(group_size, group_rank, global_ranks_in_group, _to_mirage(backend), *args, **kwargs)
+        ours = _to_mirage(backend)
+        if ours in (NAME, NAME_WITH_GLOO):
+            asked.append("nccl" if ours == NAME else str(backend))
+            kwargs["device_id"] = None  # eager init needs a C++ backend per device; ours connects lazily
+        return helper(group_size, group_rank, global_ranks_in_group, ours, *args, **kwargs)
 
     def register_pg_in_world(pg, *args, backend_name=None, backend_config=None, **kwargs):
-        name = None if backend_name is None else str(backend_name).replace(NAME, "nccl")
-        config = None if backend_config is None else backend_config.replace(NAME, "nccl")
-        return register(pg, *args, backend_name=name, backend_config=config, **kwargs)
+        if str(backend_name) in (NAME, NAME_WITH_GLOO):
+            backend_name = asked.pop()
+            backend_config = backend_config.replace(NAME_WITH_GLOO, "nccl").replace(NAME, "nccl")
+        return register(pg, *args, backend_name=backend_name, backend_config=backend_config, **kwargs)
 
     c10d._new_process_group_helper = new_process_group_helper
     c10d._register_pg_in_world = register_pg_in_world

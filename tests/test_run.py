@@ -199,3 +199,12 @@ def test_ddp_does_not_stall_over_many_steps(tmp_path):
     done = [e for e in events(tmp_path) if e["type"] == "coll_completed"]
     assert len(done) >= 500
     assert [e["seq"] for e in done if e["comm"] == done[-1]["comm"]] == list(range(1, len(done) + 1))
+
+
+@pytest.mark.parametrize("form", ["none", "mixed", "device_id"])
+def test_init_process_group_forms(tmp_path, form):
+    r = mirage_run(tmp_path, "--gpus-per-node", "2", "--env", f"INIT_FORM={form}", "--", "torchrun",
+                   "--standalone", "--nproc_per_node=2", str(FIXTURES / "init_forms.py"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "[1] [rank 1] init_forms_ok" in r.stdout
+    assert "default for cuda=nccl" in r.stdout
