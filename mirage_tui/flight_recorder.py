@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from emulator import schema as s
+from mirage_tui.runstate import read_journal
 
 #: The dump format version torch 2.13 writes (``version_val`` in
 #: FlightRecorder.hpp); the analyzer picks its matching logic by it.
@@ -235,20 +236,8 @@ def write_dumps(events: Iterable[s.Event], out_dir: str, prefix: str = PREFIX) -
     return paths
 
 
-def _journal(path: str) -> Iterable[s.Event]:
-    """The events of ``events.jsonl``; a line cut short by a live writer is skipped."""
-    with open(path, "rb") as f:
-        for line in f:
-            try:
-                msg = s.decode(line)
-            except s.SchemaError:
-                continue
-            if isinstance(msg, s.Event):
-                yield msg
-
-
 def dump_run(run_dir: str) -> str:
     """Write Flight Recorder dumps of the run in ``run_dir`` into its ``flight-recorder/`` folder; return that folder."""
     out_dir = os.path.join(run_dir, DUMP_DIR)
-    write_dumps(_journal(os.path.join(run_dir, "events.jsonl")), out_dir)
+    write_dumps(read_journal(os.path.join(run_dir, "events.jsonl")), out_dir)
     return out_dir

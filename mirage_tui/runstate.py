@@ -7,9 +7,22 @@ a process: feed it events, read the tables.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from emulator import schema as s
+
+
+def read_journal(path: str) -> Iterator[s.Event]:
+    """The events of an ``events.jsonl``; a line cut short by a live writer is skipped."""
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                event = s.decode(line)
+            except s.SchemaError:
+                continue
+            if isinstance(event, s.Event):
+                yield event
 
 
 @dataclass
@@ -92,14 +105,8 @@ class RunState:
     def from_journal(cls, path: str) -> RunState:
         """Fold a run's ``events.jsonl`` (a line cut short by a live writer is skipped)."""
         state = cls()
-        with open(path, "rb") as f:
-            for line in f:
-                try:
-                    event = s.decode(line)
-                except s.SchemaError:
-                    continue
-                if isinstance(event, s.Event):
-                    state.apply(event)
+        for event in read_journal(path):
+            state.apply(event)
         return state
 
     def ledger_table(self, now: float | None = None) -> str:

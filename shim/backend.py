@@ -124,6 +124,18 @@ def _into(dst: torch.Tensor) -> Callable[[torch.Tensor], None]:
     return lambda flat: dst.copy_(flat.view(dst.shape))
 
 
+def _into_each(dsts: list[torch.Tensor]) -> Callable[[torch.Tensor], None]:
+    """A ``deliver`` that splits a collective's flat output over ``dsts``, in order."""
+
+    def deliver(flat: torch.Tensor) -> None:
+        at = 0
+        for d in dsts:
+            d.copy_(flat[at : at + d.numel()].view(d.shape))
+            at += d.numel()
+
+    return deliver
+
+
 #: --inject faults for this process, and whether its default group exists yet (faults count its seqs).
 _FAULTS = [f for f in faults.parse_env(os.environ.get(faults.ENV, "")) if f.rank == int(os.environ.get("RANK", "0"))]
 _default_taken = False
@@ -302,12 +314,8 @@ class MirageProcessGroup(dist.ProcessGroup):
                     self._run(s.CollOp.BROADCAST, [buf], buf.numel(), buf.dtype, _into(_flat(o)), root=k,
                               device=t._gpu, stage=k == self._rank)
                 continue
-
-            def scatter(flat, outs=outs, n=n):
-                for k, o in enumerate(outs):
-                    _flat(o).copy_(flat[k * n : (k + 1) * n].view(o.shape))
-
-            self._run(s.CollOp.ALLGATHER, [elem], n * self._size, elem.dtype, scatter, device=t._gpu)
+            self._run(s.CollOp.ALLGATHER, [elem], n * self._size, elem.dtype, _into_each([_flat(o) for o in outs]),
+                      device=t._gpu)
         return self._done(output_lists)
 
     @_cpu_via_gloo
@@ -338,14 +346,9 @@ class MirageProcessGroup(dist.ProcessGroup):
     def gather(self, output_lists, inputs, opts=None):
         root = opts.rootRank if opts is not None else 0
         elem = _flat(inputs[0])
-        outs = output_lists[0] if output_lists else []
-
-        def scatter(flat, n=elem.numel()):
-            for k, o in enumerate(outs):
-                _flat(o).copy_(flat[k * n : (k + 1) * n].view(o.shape))
-
+        outs = [_flat(o) for o in output_lists[0]] if output_lists else []
         self._run(s.CollOp.GATHER, [elem], elem.numel() * self._size if outs else 0, elem.dtype,
-                  scatter if outs else None, root=root, device=inputs[0]._gpu)
+                  _into_each(outs) if outs else None, root=root, device=inputs[0]._gpu)
         return self._done(output_lists)
 
     @_cpu_via_gloo
@@ -381,14 +384,7 @@ class MirageProcessGroup(dist.ProcessGroup):
     def alltoall(self, outputs, inputs, opts=None):
         srcs = [_flat(t) for t in inputs]
         outs = [_flat(t) for t in outputs]
-
-        def spread(flat):
-            at = 0
-            for o in outs:
-                o.copy_(flat[at : at + o.numel()].view(o.shape))
-                at += o.numel()
-
-        self._run(s.CollOp.ALLTOALL, srcs, sum(o.numel() for o in outs), srcs[0].dtype, spread,
+        self._run(s.CollOp.ALLTOALL, srcs, sum(o.numel() for o in outs), srcs[0].dtype, _into_each(outs),
                   device=inputs[0]._gpu, splits=[t.numel() for t in srcs])
         return self._done(outputs)
 
@@ -396,14 +392,7 @@ class MirageProcessGroup(dist.ProcessGroup):
     def allreduce_coalesced(self, tensors, opts=None):
         # one flat all-reduce over the concatenation, as NCCL's grouped calls amount to
         elems = [_flat(t) for t in tensors]
-
-        def spread(flat):
-            at = 0
-            for e in elems:
-                e.copy_(flat[at : at + e.numel()].view(e.shape))
-                at += e.numel()
-
-        self._run(s.CollOp.ALLREDUCE, elems, sum(e.numel() for e in elems), elems[0].dtype, spread,
+        self._run(s.CollOp.ALLREDUCE, elems, sum(e.numel() for e in elems), elems[0].dtype, _into_each(elems),
                   reduce_op=_reduce_op(opts), device=tensors[0]._gpu)
         return self._done(tensors)
 
