@@ -71,11 +71,18 @@ class Daemon:
         self.dead: dict[int, str] = {}  # global rank -> how it went
         self.arenas: dict[str, Arena] = {}
         self.running = True
+        self._outbox: list[bytes] = []
 
     # ------------------------------------------------------------ plumbing
 
     def publish(self, event: s.Event) -> None:
-        self.pub.send(s.encode(event))
+        """Queue an event; :meth:`flush_events` sends the queue as one frame (one send, not one per event)."""
+        self._outbox.append(s.encode(event))
+
+    def flush_events(self) -> None:
+        if self._outbox:
+            self.pub.send(s.encode_events(self._outbox))
+            self._outbox = []
 
     def reply(self, client: bytes, msg: s.Reply) -> None:
         try:
@@ -272,10 +279,12 @@ class Daemon:
                 next_scan = now + HANG_SCAN_INTERVAL_S
                 for finding in self.hangs.scan(self.ledger, now):
                     self.publish(finding)
+            self.flush_events()
             if os.getppid() != parent:
                 break  # the session is gone: nobody is left to serve
 
     def close(self) -> None:
+        self.flush_events()
         for arena in self.arenas.values():
             arena.close()
         self.router.close(0)

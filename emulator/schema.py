@@ -353,42 +353,59 @@ class SessionEnded(Event):
 
 def encode(msg: Message) -> bytes:
     """Serialise ``msg`` to its JSON wire form."""
-    body = {"v": VERSION, "type": msg.TYPE}
-    for f in dataclasses.fields(msg):
-        value = getattr(msg, f.name)
-        body[f.name] = value.value if isinstance(value, Enum) else value
-    return json.dumps(body, separators=(",", ":")).encode()
+    # every enum here is a str enum, which json writes as its value; fields keep their declared order
+    return json.dumps({"v": VERSION, "type": msg.TYPE, **msg.__dict__}, separators=(",", ":")).encode()
 
 
-def _hints(cls: type) -> dict[str, object]:
-    hints = _HINTS.get(cls)
-    if hints is None:
-        hints = _HINTS[cls] = typing.get_type_hints(cls)
-    return hints
-
-
-_HINTS: dict[type, dict[str, object]] = {}
-
-
-def _check(name: str, hint: object, value: object) -> object:
+def _checker(name: str, hint: object):
+    """A function that validates (and normalises) one field's JSON value; built once per field."""
     if typing.get_origin(hint) is list:
         (item,) = typing.get_args(hint)
-        if not isinstance(value, list):
-            raise SchemaError(f"field {name!r}: expected a list, got {type(value).__name__}")
-        return [_check(f"{name}[]", item, v) for v in value]
+        each = _checker(f"{name}[]", item)
+
+        def check_list(value):
+            if not isinstance(value, list):
+                raise SchemaError(f"field {name!r}: expected a list, got {type(value).__name__}")
+            return [each(v) for v in value]
+
+        return check_list
     if isinstance(hint, type) and issubclass(hint, Enum):
-        try:
-            return hint(value)
-        except ValueError:
-            choices = ", ".join(m.value for m in hint)
-            raise SchemaError(f"field {name!r}: {value!r} is not one of {choices}") from None
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(hint, type) and (
-        not isinstance(value, hint) or (hint is int and isinstance(value, bool))
-    ):
-        raise SchemaError(f"field {name!r}: expected {hint.__name__}, got {type(value).__name__}")
-    return value
+        def check_enum(value):
+            try:
+                return hint(value)
+            except ValueError:
+                choices = ", ".join(m.value for m in hint)
+                raise SchemaError(f"field {name!r}: {value!r} is not one of {choices}") from None
+
+        return check_enum
+    if hint is float:
+        def check_float(value):
+            if type(value) is float:
+                return value
+            if type(value) is int:
+                return float(value)
+            raise SchemaError(f"field {name!r}: expected float, got {type(value).__name__}")
+
+        return check_float
+
+    def check_exact(value):
+        # exact types: JSON gives int, str, bool, float; a bool is not an int here
+        if type(value) is not hint:
+            raise SchemaError(f"field {name!r}: expected {hint.__name__}, got {type(value).__name__}")
+        return value
+
+    return check_exact
+
+
+_FIELDS: dict[type, list[tuple[str, object]]] = {}
+
+
+def _fields(cls: type) -> list[tuple[str, object]]:
+    fields = _FIELDS.get(cls)
+    if fields is None:
+        hints = typing.get_type_hints(cls)
+        fields = _FIELDS[cls] = [(f.name, _checker(f.name, hints[f.name])) for f in dataclasses.fields(cls)]
+    return fields
 
 
 def decode(data: bytes | str) -> Message:
@@ -407,9 +424,22 @@ def decode(data: bytes | str) -> Message:
     cls = _REGISTRY.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise SchemaError(f"unknown message type {body.get('type')!r}")
-    hints = _hints(cls)
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        if f.name in body:
-            kwargs[f.name] = _check(f.name, hints[f.name], body[f.name])
-    return cls(**kwargs)
+    return cls(**{name: check(body[name]) for name, check in _fields(cls) if name in body})
+
+
+def encode_events(events: list[bytes]) -> bytes:
+    """One PUB frame for several encoded events: newline-separated, as in ``events.jsonl``."""
+    return b"\n".join(events)
+
+
+def decode_events(frame: bytes) -> list[Event]:
+    """The events of one PUB frame (see :func:`encode_events`); malformed lines are skipped."""
+    events = []
+    for line in frame.split(b"\n"):
+        try:
+            msg = decode(line)
+        except SchemaError:
+            continue
+        if isinstance(msg, Event):
+            events.append(msg)
+    return events

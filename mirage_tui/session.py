@@ -84,7 +84,8 @@ class Session:
         self.run = rundir.create(topology.log_dir)
         self.daemon: subprocess.Popen | None = None
         self.nodes: list[subprocess.Popen] = []
-        self._events: queue.Queue[s.Event | None] = queue.Queue()
+        # (event, its encoded line if we already have it) — daemon events arrive encoded
+        self._events: queue.Queue[tuple[s.Event, bytes | None] | None] = queue.Queue()
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
         self._ctx = zmq.Context()
@@ -101,9 +102,9 @@ class Session:
 
     # ------------------------------------------------------------ events
 
-    def emit(self, event: s.Event) -> None:
-        """Queue an event for the journal and the sink (any thread)."""
-        self._events.put(event)
+    def emit(self, event: s.Event, line: bytes | None = None) -> None:
+        """Queue an event for the journal and the sink (any thread); ``line`` is its encoding, if known."""
+        self._events.put((event, line))
 
     def _dispatch(self) -> None:
         # the only writer of events.jsonl and the only caller of the sink
@@ -115,11 +116,12 @@ class Session:
                     batch.append(self._events.get_nowait())
                 except queue.Empty:
                     break
-            for e in batch:
-                if e is None:
+            for item in batch:
+                if item is None:
                     self._journal.flush()
                     return
-                self._journal.write(s.encode(e) + b"\n")
+                e, line = item
+                self._journal.write((line or s.encode(e)) + b"\n")
                 self.state.apply(e)
                 if isinstance(e, s.OutputLine):
                     self._log_line(e)
@@ -164,10 +166,13 @@ class Session:
                         data = self._sub.recv(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    try:
-                        self.emit(s.decode(data))  # type: ignore[arg-type]
-                    except s.SchemaError:
-                        pass
+                    for line in data.split(b"\n"):
+                        try:
+                            event = s.decode(line)
+                        except s.SchemaError:
+                            continue
+                        if isinstance(event, s.Event):
+                            self.emit(event, line)
             if stopping:
                 return
 
@@ -217,10 +222,10 @@ class Session:
                 if not (dealer.poll(200) and isinstance(s.decode(dealer.recv()), s.Ok)):
                     continue
                 while self._sub.poll(200):
-                    event = s.decode(self._sub.recv())
-                    if isinstance(event, s.DaemonReady):
-                        self.emit(event)
-                        return
+                    for event in s.decode_events(self._sub.recv()):
+                        if isinstance(event, s.DaemonReady):
+                            self.emit(event)
+                            return
             raise LaunchError(f"the mirage daemon did not answer within {DAEMON_START_TIMEOUT_S:.0f} s", 1)
         finally:
             dealer.close(0)
@@ -370,18 +375,19 @@ class Session:
         pid = self.nodes[node].pid
         # with direct launch the node process is the rank itself
         who = next((f"rank {r}" for r, p in self.rank_pids.items() if p == pid), f"node {node}")
-        raised = []
+        raised: dict[int, str] = {}
         for name in sorted(os.listdir(self.run.ranks)):
             if name.endswith(".stderr"):
                 with open(os.path.join(self.run.ranks, name), "rb") as f:
                     if b"Traceback (most recent call last)" in f.read():
                         rank = int(name.split("-")[1].split(".")[0])
-                        raised.append(f"rank {rank} raised (log: {self.run.rank_log(rank)})")
+                        raised[rank] = f"rank {rank} raised (log: {self.run.rank_log(rank)})"
         first_gone = ""
-        if self.gone_ranks and not who.startswith("rank") and not raised:
+        # a rank that vanished without a traceback (killed, aborted) is the likelier cause
+        if self.gone_ranks and not who.startswith("rank") and self.gone_ranks[0] not in raised:
             r = self.gone_ranks[0]
             first_gone = f"; rank {r} was the first rank to go (log: {self.run.rank_log(r)})"
-        where = "; ".join(raised) or f"log: {self.run.node_log(node)}"
+        where = "; ".join(raised.values()) or f"log: {self.run.node_log(node)}"
         return f"{who} {how}{first_gone}; {where}"
 
     def _note_exit(self, node: int, proc: subprocess.Popen) -> bool:

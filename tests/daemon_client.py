@@ -108,7 +108,7 @@ class Events:
         """Every event that arrives within ``timeout_s`` (those already queued at least)."""
         out = []
         while self.sock.poll(timeout_s * 1000):
-            out.append(s.decode(self.sock.recv()))
+            out.extend(s.decode_events(self.sock.recv()))
             timeout_s = 0.0
         return out
 
@@ -120,10 +120,10 @@ class Events:
             left = deadline - time.monotonic()
             if left <= 0 or not self.sock.poll(left * 1000):
                 raise TimeoutError(f"event not seen within {timeout_s} s; saw {[e.TYPE for e in out]}")
-            ev = s.decode(self.sock.recv())
-            out.append(ev)
-            if pred(ev):
-                return out
+            for ev in s.decode_events(self.sock.recv()):
+                out.append(ev)
+                if pred(ev):
+                    return out
 
     def close(self) -> None:
         self.sock.close(0)
