@@ -241,8 +241,11 @@ class Daemon:
             err = CommError("ncclInternalError", f"collective #{req.seq} ({req.op.value}) failed in the emulator: {job.error}")
             return self.fail(job.comm, err, extra=job.posted)
         self.ledger.complete(job.comm, req.seq)
+        first = req.seq == 1
+        devices = [p.request.device for p in job.posted] if first else []
+        hosts = [job.comm.members[p.request.rank].host for p in job.posted] if first else []
         for p in job.posted:
-            self.reply(p.client, s.Done(req=p.request.req, comm=req.comm, seq=req.seq))
+            self.reply(p.client, s.Done(req=p.request.req, comm=req.comm, seq=req.seq, devices=devices, hosts=hosts))
         self.publish(
             s.CollectiveCompleted(
                 comm=req.comm, seq=req.seq, op=req.op, total_bytes=job.total_bytes,

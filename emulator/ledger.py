@@ -46,7 +46,7 @@ class Communicator:
 
 
 def _bus_id(device: int) -> str:
-    # NCCL prints the PCI bus id as a hex integer; emulated GPU i sits on bus i+1
+    # NCCL prints the PCI bus id as a hex integer; emulated GPU i sits on bus i+1 (shim/nccl_debug.py agrees)
     return f"{(device + 1) << 12:x}"
 
 

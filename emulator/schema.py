@@ -171,6 +171,9 @@ class Done(Reply):
     TYPE: ClassVar[str] = "done"
     comm: str = ""
     seq: int = 0
+    # on a communicator's first collective (NCCL connects its rings then): each rank's GPU and host
+    devices: list[int] = field(default_factory=list)
+    hosts: list[str] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------- events

@@ -28,6 +28,7 @@ from torch.futures import Future
 from emulator import faults
 from emulator import schema as s
 from shim import client as cl
+from shim import nccl_debug
 from shim import device as dev
 from shim.cuda import NCCL_VERSION
 from shim.tensor import MirageTensor
@@ -265,6 +266,8 @@ class MirageProcessGroup(dist.ProcessGroup):
                 raise self._watchdog_timeout(request, time.monotonic() - started) from None
             if isinstance(reply, s.Error):
                 raise _nccl_error(reply.code, reply.message, device)
+            if isinstance(reply, s.Done) and reply.devices and nccl_debug.enabled():
+                nccl_debug.print_init(self._comm, self._rank, reply.devices, reply.hosts)
             if deliver is not None:
                 deliver(staged if same else cl.arena_tensor(arena, out_off, out_numel, dtype))
 

@@ -208,3 +208,16 @@ def test_init_process_group_forms(tmp_path, form):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "[1] [rank 1] init_forms_ok" in r.stdout
     assert "default for cuda=nccl" in r.stdout
+
+
+@pytest.mark.parametrize("launch, via", [("sockets", "NET/Socket/0"), ("p2p", "P2P/IPC/read")])
+def test_nccl_debug_info_names_the_transport(tmp_path, launch, via):
+    if launch == "sockets":
+        args = ["--num-nodes", "2", "--gpus-per-node", "2", *SOCKET_ENV, "--", "python"]
+    else:
+        args = ["--gpus-per-node", "2", "--", "torchrun", "--standalone", "--nproc_per_node=2"]
+    r = mirage_run(tmp_path, "--env", "NCCL_DEBUG=INFO", *args, str(FIXTURES / "dist_smoke.py"))
+    assert r.returncode == 0, r.stderr
+    assert f"[0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via {via}" in r.stdout
+    assert "NCCL INFO ncclCommInitRankConfig comm 0x" in r.stdout and "busId 2000" in r.stdout
+    assert r.stdout.count("- Init COMPLETE") == 2
