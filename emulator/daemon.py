@@ -26,7 +26,7 @@ from emulator.arena import Arena, ArenaError, check_name
 from emulator.hang import HangDetector
 from emulator.kernels import KernelError
 from emulator.ledger import CommError, Communicator, Ledger, Posted
-from emulator.scheduler import Job, WaveScheduler, make_job
+from emulator.scheduler import Job, WaveScheduler, make_job, make_p2p_job
 from emulator.straggler import StragglerDetector
 
 RPC_SOCKET = "rpc.sock"
@@ -129,6 +129,8 @@ class Daemon:
                         comm=msg.comm, rank=msg.rank, size=msg.size, global_rank=msg.global_rank, transport=msg.transport
                     )
                 )
+            elif isinstance(msg, s.Collective) and msg.op in (s.CollOp.SEND, s.CollOp.RECV):
+                self.post_p2p(client, msg)
             elif isinstance(msg, s.Collective):
                 self.post(client, msg)
             else:
@@ -149,6 +151,21 @@ class Daemon:
         self.publish(
             s.DaemonReady(pid=os.getpid(), profile=self.profile, nodes=self.nodes, gpus_per_node=self.gpus_per_node)
         )
+
+    def post_p2p(self, client: bytes, req: s.Collective) -> None:
+        """A send or receive; the copy runs in the scheduler once both halves are posted."""
+        try:
+            comm, pair = self.ledger.post_p2p(client, req)
+        except CommError as e:
+            comm = self.ledger.comms.get(req.comm)
+            if comm is None or comm.failed is e:
+                raise
+            return self.fail(comm, e, extra=[Posted(client, req)])
+        if pair is not None:
+            try:
+                self.scheduler.submit(make_p2p_job(comm, pair, self.arena))
+            except (ArenaError, KernelError, OSError) as e:
+                self.fail(comm, CommError("ncclInvalidArgument", str(e)), extra=pair)
 
     def post(self, client: bytes, req: s.Collective) -> None:
         if not 0 <= req.device < self.gpus_per_node:
@@ -240,6 +257,13 @@ class Daemon:
             traceback.print_exception(job.error)
             err = CommError("ncclInternalError", f"collective #{req.seq} ({req.op.value}) failed in the emulator: {job.error}")
             return self.fail(job.comm, err, extra=job.posted)
+        if req.op is s.CollOp.SEND:  # point-to-point: no collective sequence to advance
+            for p in job.posted:
+                self.reply(p.client, s.Done(req=p.request.req, comm=req.comm, seq=req.seq))
+                scratch = self.arenas.pop(p.request.arena, None)  # one buffer per message: done with it
+                if scratch is not None:
+                    scratch.close()
+            return
         self.ledger.complete(job.comm, req.seq)
         first = req.seq == 1
         devices = [p.request.device for p in job.posted] if first else []

@@ -41,6 +41,7 @@ class Communicator:
     posted: dict[int, dict[int, Posted]] = field(default_factory=dict)  # seq -> rank -> Posted
     last_enqueued: dict[int, int] = field(default_factory=dict)
     last_completed: dict[int, int] = field(default_factory=dict)
+    p2p: dict[tuple[int, int, int], dict[CollOp, Posted]] = field(default_factory=dict)  # (src, dst, n)
     devices_checked: bool = False
     failed: CommError | None = None
 
@@ -106,6 +107,33 @@ class Ledger:
         del comm.posted[req.seq]
         return comm, matched
 
+    def post_p2p(self, client: bytes, req: Collective) -> tuple[Communicator, list[Posted] | None]:
+        """Record a send or a receive; return [send, recv] once both halves of a message are posted."""
+        comm = self.comms.get(req.comm)
+        if comm is None or req.rank not in comm.members:
+            raise CommError("ncclInvalidUsage", f"rank {req.rank} posted to communicator {req.comm} before joining it")
+        if comm.failed:
+            raise comm.failed
+        if not 0 <= req.peer < comm.size or req.peer == req.rank:
+            raise CommError("ncclInvalidArgument", f"rank {req.rank}: invalid peer {req.peer} for {req.op.value}")
+        src, dst = (req.rank, req.peer) if req.op is CollOp.SEND else (req.peer, req.rank)
+        key = (src, dst, req.seq)
+        halves = comm.p2p.setdefault(key, {})
+        if req.op in halves:
+            raise CommError("ncclInvalidUsage", f"rank {req.rank} posted {req.op.value} #{req.seq} to {req.peer} twice")
+        halves[req.op] = Posted(client, req)
+        if len(halves) < 2:
+            return comm, None
+        del comm.p2p[key]
+        send, recv = halves[CollOp.SEND], halves[CollOp.RECV]
+        if (send.request.dtype, send.request.numel) != (recv.request.dtype, recv.request.numel):
+            raise CommError(
+                "ncclInvalidUsage",
+                f"rank {src} sends {send.request.numel} x {send.request.dtype} but rank {dst} receives "
+                f"{recv.request.numel} x {recv.request.dtype} (message #{req.seq} between them)",
+            )
+        return comm, [send, recv]
+
     def complete(self, comm: Communicator, seq: int) -> None:
         for rank in range(comm.size):
             comm.last_completed[rank] = seq
@@ -114,7 +142,9 @@ class Ledger:
         """Mark the communicator failed; return every rank still waiting in it."""
         comm.failed = err
         waiting = [p for slot in comm.posted.values() for p in slot.values()]
+        waiting += [p for halves in comm.p2p.values() for p in halves.values()]
         comm.posted.clear()
+        comm.p2p.clear()
         return waiting
 
     @staticmethod

@@ -133,6 +133,20 @@ _KERNELS = {
 }
 
 
+def _p2p(job: Job, a: int, b: int) -> None:
+    job.outputs[1][a:b] = job.inputs[0][a:b]
+
+
+def make_p2p_job(comm: Communicator, pair: list[Posted], arena_of: Callable[[str], Arena]) -> Job:
+    """Map a matched [send, recv] pair: the sender's input is copied into the receiver's output."""
+    send, recv = (p.request for p in pair)
+    size = kernels.itemsize(send.dtype)
+    n = send.numel
+    src = kernels.typed(arena_of(send.arena).bytes_view(send.in_off, n * size), send.dtype) if n else np.empty(0)
+    dst = kernels.typed(arena_of(recv.arena).bytes_view(recv.out_off, n * size), recv.dtype) if n else np.empty(0)
+    return Job(comm, pair, [src, np.empty(0)], [np.empty(0), dst], n, size, _p2p)
+
+
 def _alltoall_plan(reqs: list[Collective]) -> tuple[list[tuple[int, int, int, int, int, int]], list[int]]:
     """Copy segments for an all-to-all, and each rank's output size, from every rank's splits."""
     world = len(reqs)

@@ -54,6 +54,8 @@ class CollOp(str, Enum):
     REDUCE_SCATTER = "reduce_scatter"
     ALLTOALL = "alltoall"
     BARRIER = "barrier"
+    SEND = "send"  # point-to-point: seq counts this (src, dst) pair's messages, not the collectives
+    RECV = "recv"
 
 
 class Stream(str, Enum):
@@ -140,6 +142,7 @@ class Collective(Request):
     out_off: int = 0
     site: str = ""  # file:line:function of the call in the user's code
     splits: list[int] = field(default_factory=list)  # ALLTOALL: elements this rank sends to each rank
+    peer: int = -1  # SEND/RECV: the other rank, within the communicator
 
 
 # ---------------------------------------------------------------- replies

@@ -174,6 +174,7 @@ class MirageProcessGroup(dist.ProcessGroup):
         self._rank, self._size = rank, size
         self._timeout = timeout
         self._seq = 0
+        self._p2p_seq: dict[tuple[s.CollOp, int], int] = {}  # messages so far, per (direction, peer)
         self._group_name = ""
         self._group_desc = ""
         self._in_process = os.environ.get("MIRAGE_IN_PROCESS") == "1"
@@ -399,6 +400,33 @@ class MirageProcessGroup(dist.ProcessGroup):
                   reduce_op=_reduce_op(opts), device=tensors[0]._gpu)
         return self._done(tensors)
 
+    # -- point to point: asynchronous, each message in a shared-memory buffer of its own
+    def _p2p(self, op: s.CollOp, tensor: torch.Tensor, peer: int) -> _P2PWork:
+        if self._in_process:
+            raise dist.DistBackendError(IN_PROCESS_MESSAGE)
+        elem = _flat(tensor)
+        key = (op, peer)
+        self._p2p_seq[key] = n = self._p2p_seq.get(key, 0) + 1
+        arena = self._client.scratch(elem.numel() * elem.element_size())
+        buf = cl.arena_tensor(arena, 0, elem.numel(), elem.dtype)
+        if op is s.CollOp.SEND:
+            buf.copy_(elem.reshape(-1))
+        req = self._client.send(
+            s.Collective(
+                comm=self._comm, seq=n, rank=self._rank, op=op, dtype=str(elem.dtype).removeprefix("torch."),
+                numel=elem.numel(), out_numel=elem.numel(), device=tensor._gpu, arena=arena.name, peer=peer,
+                site=_call_site(),
+            )
+        )
+        deliver = None if op is s.CollOp.SEND else _into(elem)
+        return _P2PWork(self, req, arena, buf, deliver, tensor._gpu, [tensor])
+
+    def send(self, tensors, dstRank, tag=0):
+        return self._p2p(s.CollOp.SEND, tensors[0], dstRank)
+
+    def recv(self, tensors, srcRank, tag=0):
+        return self._p2p(s.CollOp.RECV, tensors[0], srcRank)
+
     # the names torch.distributed calls from Python for the tensor forms
     all_gather_single = _allgather_base
     reduce_scatter_single = _reduce_scatter_base
@@ -406,6 +434,42 @@ class MirageProcessGroup(dist.ProcessGroup):
     def barrier(self, opts=None):
         self._run(s.CollOp.BARRIER, [], 0, torch.float32)
         return self._done([])
+
+
+class _P2PWork(dist.Work):
+    """A send or receive in flight: ``wait`` blocks until the daemon has copied the message."""
+
+    def __init__(self, pg: MirageProcessGroup, req: int, arena, buf, deliver, device: int, tensors):
+        super().__init__()
+        self._pg, self._req, self._arena, self._buf = pg, req, arena, buf
+        self._deliver, self._device, self._tensors = deliver, device, tensors
+        self._done = False
+
+    def wait(self, timeout=None) -> bool:
+        if self._done:
+            return True
+        seconds = self._pg._timeout.total_seconds() if not timeout else timeout.total_seconds()
+        try:
+            reply = self._pg._client.wait(self._req, seconds)
+            if isinstance(reply, s.Error):
+                raise _nccl_error(reply.code, reply.message, self._device)
+            if self._deliver is not None:
+                self._deliver(self._buf)
+        finally:
+            self._done = True
+            self._buf = None
+            self._arena.close()
+            self._arena.unlink()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done or self._pg._client.poll(self._req)
+
+    def get_future(self):
+        fut = Future()
+        self.wait()
+        fut.set_result(self._tensors)
+        return fut
 
 
 def _transport() -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import threading
@@ -17,7 +18,12 @@ _ALIGN = 64
 
 
 class DaemonClient:
-    """One DEALER socket per process; requests are serialised by a lock."""
+    """One DEALER socket per process, shared by threads and by requests in flight.
+
+    Replies can come back in any order (a receive posted before a collective
+    may finish after it): whoever reads a reply that is not theirs leaves it
+    in ``_stash`` for its owner.
+    """
 
     def __init__(self, endpoint: str, token: str, session: str, tag: str):
         self.token = token
@@ -29,25 +35,54 @@ class DaemonClient:
         self._sock.connect(endpoint)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        self._stash: dict[int, s.Reply] = {}
         self._arena: Arena | None = None
         self._generation = 0
+        self._scratch = itertools.count(1)
 
-    def request(self, msg: s.Request, timeout_s: float = 60.0) -> s.Reply:
-        """Send ``msg`` (token and id filled in) and wait for its reply."""
+    def send(self, msg: s.Request) -> int:
+        """Send ``msg`` (token and id filled in); return the id its reply will carry."""
         req = next(self._ids)
-        msg = type(msg)(**{**msg.__dict__, "token": self.token, "req": req})
+        data = s.encode(dataclasses.replace(msg, token=self.token, req=req))
         with self._lock:
-            self._sock.send(s.encode(msg))
-            deadline = time.monotonic() + timeout_s
-            while True:
+            self._sock.send(data)
+        return req
+
+    def wait(self, req: int, timeout_s: float = 60.0) -> s.Reply:
+        """The reply to request ``req``, once it comes (TimeoutError after ``timeout_s``)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                reply = self._stash.pop(req, None)
+                if reply is not None:
+                    return reply
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"no reply from the mirage daemon within {timeout_s:.0f} s")
-                if not self._sock.poll(min(left, 1.0) * 1000):
-                    continue
-                reply = s.decode(self._sock.recv())
-                if isinstance(reply, s.Reply) and reply.req == req:
-                    return reply
+                # short polls: another thread may be waiting for a reply this one reads
+                if self._sock.poll(min(left, 0.05) * 1000):
+                    got = s.decode(self._sock.recv())
+                    if isinstance(got, s.Reply):
+                        if got.req == req:
+                            return got
+                        self._stash[got.req] = got
+
+    def poll(self, req: int) -> bool:
+        """Whether the reply to ``req`` has arrived (reads what is waiting, never blocks)."""
+        with self._lock:
+            while self._sock.poll(0):
+                got = s.decode(self._sock.recv())
+                if isinstance(got, s.Reply):
+                    self._stash[got.req] = got
+            return req in self._stash
+
+    def request(self, msg: s.Request, timeout_s: float = 60.0) -> s.Reply:
+        """Send ``msg`` and wait for its reply."""
+        return self.wait(self.send(msg), timeout_s)
+
+    def scratch(self, nbytes: int) -> Arena:
+        """A shared-memory buffer of its own, for one point-to-point message in flight."""
+        return Arena.create(arena_name(self.session, f"{self.tag}-x{next(self._scratch)}"), max(nbytes, 1))
 
     def arena(self, nbytes: int) -> Arena:
         """This rank's shared-memory arena, grown (by doubling) to hold ``nbytes``."""

@@ -221,3 +221,11 @@ def test_nccl_debug_info_names_the_transport(tmp_path, launch, via):
     assert f"[0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via {via}" in r.stdout
     assert "NCCL INFO ncclCommInitRankConfig comm 0x" in r.stdout and "busId 2000" in r.stdout
     assert r.stdout.count("- Init COMPLETE") == 2
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_point_to_point(tmp_path, ranks):
+    r = mirage_run(tmp_path, "--gpus-per-node", str(ranks), "--", "torchrun", "--standalone",
+                   f"--nproc_per_node={ranks}", str(FIXTURES / "p2p_check.py"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert all(f"[{k}] [rank {k}] p2p_ok" in r.stdout for k in range(ranks))
