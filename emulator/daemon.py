@@ -80,6 +80,7 @@ class Daemon:
         self._outbox.append(s.encode(event))
 
     def flush_events(self) -> None:
+        """Send the queued events, once per loop pass, in the order they were published."""
         if self._outbox:
             self.pub.send(s.encode_events(self._outbox))
             self._outbox = []
@@ -120,6 +121,7 @@ class Daemon:
             elif isinstance(msg, s.Hello):
                 self.reply(client, s.Ok(req=msg.req))
                 self.rank_pids[msg.rank] = msg.pid
+                self.dead.pop(msg.rank, None)  # a restarted rank (torchrun --max-restarts) is alive again
                 self.publish(s.RankRegistered(rank=msg.rank, node=msg.node, pid=msg.pid))
             elif isinstance(msg, s.CommInit):
                 self.ledger.join(msg)
@@ -304,7 +306,10 @@ class Daemon:
                 self.check_peers()
             if now >= next_scan:  # cheap, but not on every busy iteration
                 next_scan = now + HANG_SCAN_INTERVAL_S
-                for finding in self.hangs.scan(self.ledger, now):
+                busy = frozenset(
+                    job.comm.members[p.request.rank].global_rank for job in self.scheduler.jobs for p in job.posted
+                )
+                for finding in self.hangs.scan(self.ledger, now, busy):
                     self.publish(finding)
             self.flush_events()
             if os.getppid() != parent:

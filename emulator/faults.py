@@ -39,7 +39,8 @@ class Fault:
     delay_s: float = 0.0
 
     def spec(self) -> str:
-        action = f"delay:{self.delay_s:g}s" if self.action is Action.DELAY else self.action.value
+        # milliseconds, plain decimal: what parse() reads back, whatever the value
+        action = f"delay:{round(self.delay_s * 1000, 3)}ms" if self.action is Action.DELAY else self.action.value
         return f"rank={self.rank},seq={self.seq},action={action}"
 
 

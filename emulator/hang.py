@@ -21,8 +21,12 @@ class HangDetector:
         self.timeout_s = timeout_s
         self._reported: set[tuple[str, int]] = set()
 
-    def scan(self, ledger: Ledger, now: float | None = None) -> list[HangDetected]:
-        """Findings for every collective partially joined for longer than the timeout."""
+    def scan(self, ledger: Ledger, now: float | None = None, busy: frozenset[int] = frozenset()) -> list[HangDetected]:
+        """Findings for every collective partially joined for longer than the timeout.
+
+        ``busy`` holds global ranks inside a collective the daemon is still running
+        (a large one, on another communicator): they are on their way, not stuck.
+        """
         now = time.monotonic() if now is None else now
         found = []
         for comm in ledger.comms.values():
@@ -32,7 +36,8 @@ class HangDetector:
                 if not slot or (comm.comm, seq) in self._reported:
                     continue
                 waited = now - min(p.at for p in slot.values())
-                if waited >= self.timeout_s:
+                missing = {_global(comm, r) for r in range(comm.size) if r not in slot}
+                if waited >= self.timeout_s and not missing & busy:
                     self._reported.add((comm.comm, seq))
                     found.append(_finding(comm, seq, waited))
         return found

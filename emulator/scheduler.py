@@ -157,6 +157,11 @@ def _alltoall_plan(reqs: list[Collective]) -> tuple[list[tuple[int, int, int, in
             )
     plan, unit = [], 0
     out_sizes = [sum(reqs[k].splits[d] for k in range(world)) for d in range(world)]
+    for r, want in zip(reqs, out_sizes):
+        if r.out_numel != want:  # else the rank would read stale arena bytes, or lose some
+            raise kernels.KernelError(
+                f"rank {r.rank}: all_to_all output holds {r.out_numel} elements but its peers send {want}"
+            )
     for dst in range(world):
         dst_off = 0
         for src in range(world):

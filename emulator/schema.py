@@ -424,7 +424,7 @@ def decode(data: bytes | str) -> Message:
         raise SchemaError(f"not JSON: {e}") from None
     if not isinstance(body, dict):
         raise SchemaError("message must be a JSON object")
-    if body.get("v") != VERSION:
+    if type(body.get("v")) is not int or body["v"] != VERSION:
         raise SchemaError(f"unsupported version {body.get('v')!r}, expected {VERSION}")
     kind = body.get("type")
     cls = _REGISTRY.get(kind) if isinstance(kind, str) else None

@@ -22,7 +22,6 @@ class _Streak:
     rank: int = -1
     count: int = 0
     margins: list[float] = field(default_factory=list)
-    warned: bool = False
 
 
 class StragglerDetector:
@@ -32,6 +31,7 @@ class StragglerDetector:
         self.margin_s = margin_s
         self.streak = streak
         self._streaks: dict[str, _Streak] = {}
+        self._warned: set[tuple[str, int]] = set()  # once per (communicator, rank), not once per streak
 
     def observe(self, comm: Communicator, matched: list[Posted]) -> StragglerWarning | None:
         """Record one matched collective; return a warning when a streak reaches its length."""
@@ -40,17 +40,17 @@ class StragglerDetector:
         arrivals = sorted(matched, key=lambda p: p.at)
         last = arrivals[-1]
         margin = last.at - arrivals[-2].at  # behind everyone else, not just the first
-        st = self._streaks.setdefault(comm.comm, _Streak())
         if margin < self.margin_s:
-            self._streaks[comm.comm] = _Streak()
+            self._streaks.pop(comm.comm, None)
             return None
         rank = comm.members[last.request.rank].global_rank
-        if rank != st.rank:
+        st = self._streaks.get(comm.comm)
+        if st is None or rank != st.rank:
             st = self._streaks[comm.comm] = _Streak(rank=rank)
         st.count += 1
         st.margins.append(margin)
-        if st.count >= self.streak and not st.warned:
-            st.warned = True
+        if st.count >= self.streak and (comm.comm, rank) not in self._warned:
+            self._warned.add((comm.comm, rank))
             return StragglerWarning(
                 comm=comm.comm, rank=rank, count=st.count, mean_margin_s=round(sum(st.margins) / len(st.margins), 3)
             )

@@ -134,10 +134,11 @@ def diagnose(
 
 
 def _innermost_user_frame(stacks: str) -> str:
-    """The innermost frame outside torch and mirage of the thread the signal landed on.
+    """The innermost frame outside torch and mirage of the "Current thread" block.
 
-    faulthandler lists that thread ("Current thread") innermost first; Python runs
-    signal handlers on the main thread, so it is the main thread.
+    faulthandler dumps from its C handler and marks the thread the kernel delivered
+    the signal to; a process-directed signal goes to the main thread unless it
+    blocks signals, which Python does not, so this is normally the main thread.
     """
     for block in stacks.split("\n\n"):
         if block.lstrip().startswith("Current thread"):

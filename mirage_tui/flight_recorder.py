@@ -32,13 +32,15 @@ DUMP_DIR = "flight-recorder"
 #: does not carry the group's timeout, and FR records one per entry.
 DEFAULT_TIMEOUT_MS = 10 * 60 * 1000
 
+#: Entries kept per rank (TORCH_NCCL_TRACE_BUFFER_SIZE's usual setting).
+TRACE_BUFFER = 2000
+#: File name prefix of the dumps (torch's default TORCH_NCCL_DEBUG_INFO_TEMP_FILE basename).
+PREFIX = "nccl_trace_rank_"
+
 #: ProcessGroupNCCL's profiling names. Our shim cannot tell ``all_gather`` from
 #: ``all_gather_into_tensor`` (both arrive as one ALLGATHER of a flat buffer);
 #: the list forms' names are the ones the analyzer checks sizes for
 #: (input numel x group size == output numel), so a size mismatch still shows.
-#: File name prefix of the dumps (torch's default TORCH_NCCL_DEBUG_INFO_TEMP_FILE basename).
-PREFIX = "nccl_trace_rank_"
-
 PROFILING_NAME = {
     s.CollOp.ALLREDUCE: "nccl:all_reduce",
     s.CollOp.BROADCAST: "nccl:broadcast",
@@ -194,11 +196,13 @@ def _fold(events: Iterable[s.Event]) -> tuple[dict[str, _Group], list[_Call], se
 def _dump(rank: int, groups: dict[str, _Group], calls: list[_Call]) -> dict:
     """The dump one rank's ProcessGroupNCCL would have written."""
     mine = [g for g in groups.values() if rank in g.global_of.values()]
-    entries = [_entry(i, c) for i, c in enumerate(c for c in calls if c.global_rank == rank)]
+    # the last TRACE_BUFFER entries, as Flight Recorder's ring buffer keeps them
+    mine_calls = [c for c in calls if c.global_rank == rank][-TRACE_BUFFER:]
+    entries = [_entry(i, c) for i, c in enumerate(mine_calls)]
     status = {}
     for g in mine:
         # FR's counters start at -1 (nothing yet); started/completed are communicator-wide here
-        posted = [e["collective_seq_id"] for e in entries if e["pg_id"] == g.pg_id]
+        posted = {e["collective_seq_id"] for e in entries if e["pg_id"] == g.pg_id}
         status[str(g.pg_id)] = {
             "last_enqueued_collective": max(posted, default=-1),
             "last_started_collective": max((q for q in g.started if q in posted), default=-1),

@@ -341,9 +341,12 @@ class Session:
             ],
         }
         text = json.dumps(report, indent=2)
-        for path in {os.path.join(self.run.path, "report.json"), *( [topo.report] if topo.report else [])}:
-            with open(path, "w") as f:
-                f.write(text + "\n")
+        for path in [os.path.join(self.run.path, "report.json"), *([topo.report] if topo.report else [])]:
+            try:
+                with open(path, "w") as f:
+                    f.write(text + "\n")
+            except OSError as e:  # the run is over; losing the copy must not lose the rest of the teardown
+                print(f"mirage: could not write the report to {path}: {e}", file=sys.stderr)
 
     def _report_hangs(self) -> str | None:
         """Diagnose every hang the daemon reported since the last call; return a summary of the first."""

@@ -104,14 +104,21 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t._elem
 
 
+def _leaves(args) -> list:
+    """The arguments of a collective with their lists (two levels: lists of lists of tensors) opened."""
+    out = []
+    for a in args:
+        for b in a if isinstance(a, list) else [a]:
+            out.extend(b if isinstance(b, list) else [b])
+    return out
+
+
 def _cpu_via_gloo(method):
     """Send a collective of CPU tensors to the group's gloo half, or refuse it as ProcessGroupNCCL does."""
 
     @functools.wraps(method)
     def route(self, *args, **kwargs):
-        flat = [a for x in args for a in (x if isinstance(x, list) else [x])]
-        flat = [a for x in flat for a in (x if isinstance(x, list) else [x])]
-        if any(isinstance(a, MirageTensor) for a in flat):
+        if any(isinstance(a, MirageTensor) for a in _leaves(args)):
             return method(self, *args, **kwargs)
         if self._cpu is None:
             raise RuntimeError("No backend type associated with device type cpu")
@@ -144,7 +151,7 @@ _default_taken = False
 
 def _inject(seq: int) -> bool:
     """Act out a fault planned for collective ``seq``; True when the collective is to be skipped."""
-    for f in _FAULTS:
+    for f in list(_FAULTS):
         if f.seq != seq:
             continue
         _FAULTS.remove(f)  # once: a skipped collective's number comes round again
@@ -351,6 +358,9 @@ class MirageProcessGroup(dist.ProcessGroup):
         root = opts.rootRank if opts is not None else 0
         elem = _flat(inputs[0])
         outs = [_flat(o) for o in output_lists[0]] if output_lists else []
+        if outs and (len(outs) != self._size or any(o.numel() != elem.numel() for o in outs)):
+            raise ValueError("Tensor list output of gather must match number of collective participants "
+                             "and each tensor the input's size")
         self._run(s.CollOp.GATHER, [elem], elem.numel() * self._size if outs else 0, elem.dtype,
                   _into_each(outs) if outs else None, root=root, device=inputs[0]._gpu)
         return self._done(output_lists)
@@ -360,6 +370,9 @@ class MirageProcessGroup(dist.ProcessGroup):
         root = opts.rootRank if opts is not None else 0
         out = _flat(outputs[0])
         sources = [_flat(t) for t in input_lists[0]] if input_lists else []
+        if sources and (len(sources) != self._size or any(t.numel() != out.numel() for t in sources)):
+            raise ValueError("Tensor list input to scatter must match number of collective participants "
+                             "and each tensor the output's size")
         # numel is the per-rank share, the same on every rank; only the root stages its list
         self._run(s.CollOp.SCATTER, sources, out.numel(), out.dtype, _into(out), root=root,
                   device=outputs[0]._gpu, stage=bool(sources), numel=out.numel())
@@ -369,13 +382,26 @@ class MirageProcessGroup(dist.ProcessGroup):
     def reduce_scatter(self, outputs, input_lists, opts=None):
         out = _flat(outputs[0])
         parts = [_flat(t) for t in input_lists[0]]
-        self._run(s.CollOp.REDUCE_SCATTER, parts, out.numel(), out.dtype, _into(out),
-                  reduce_op=_reduce_op(opts), device=outputs[0]._gpu)
+        op = _reduce_op(opts)
+        if any(p.numel() != out.numel() for p in parts):
+            # uneven parts: one reduce per destination rank, as ProcessGroupNCCL does
+            for k, part in enumerate(parts):
+                self._run(s.CollOp.REDUCE, [part], part.numel() if k == self._rank else 0, part.dtype,
+                          _into(out) if k == self._rank else None, reduce_op=op, root=k, device=outputs[0]._gpu)
+            return self._done(outputs)
+        self._run(s.CollOp.REDUCE_SCATTER, parts, out.numel(), out.dtype, _into(out), reduce_op=op,
+                  device=outputs[0]._gpu)
         return self._done(outputs)
 
     @_cpu_via_gloo
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         src, dst = _flat(input), _flat(output)
+        for t, sizes, what in ((src, input_split_sizes, "input"), (dst, output_split_sizes, "output")):
+            rows = t.size(0) if t.dim() else 1
+            if sizes and (len(sizes) != self._size or sum(sizes) != rows):
+                raise ValueError(f"Split sizes doesn't match total dim 0 size ({what}: {list(sizes)} for {rows} rows)")
+            if not sizes and rows % self._size:
+                raise ValueError(f"Tensor's dim 0 does not divide equally across group size ({what}: {rows} rows)")
         # torch counts splits in rows of dim 0; the daemon in elements
         row = src[0].numel() if src.dim() > 0 and src.size(0) else 1
         splits = [n * row for n in input_split_sizes] if input_split_sizes else [src.numel() // self._size] * self._size

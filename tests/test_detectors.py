@@ -64,3 +64,12 @@ def test_small_margins_are_not_stragglers():
         for r in range(2):
             comm, matched = post(ledger, r, seq, at=seq + (0.1 if r else 0.0))
         assert det.observe(comm, matched) is None
+
+
+def test_a_rank_busy_in_a_running_collective_is_not_hung():
+    ledger = ledger_of(2)
+    post(ledger, 0, 1, at=0.0)
+    det = HangDetector(timeout_s=1.0)
+    assert det.scan(ledger, now=50.0, busy=frozenset({1})) == []  # rank 1 is inside a long collective elsewhere
+    (h,) = det.scan(ledger, now=60.0)  # once it is not, and still missing, it is reported
+    assert h.missing == [1]
