@@ -240,11 +240,35 @@ def _mirage(ns: argparse.Namespace, command: tuple[str, ...] | None) -> int:
     return _run(_topology(ns, command, "mirage run"))
 
 
+def _demo_command(gpus: int) -> tuple[str, ...]:
+    """The bundled demo: a DDP MLP trained with torchrun on ``gpus`` emulated GPUs."""
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # the torchrun next to this interpreter, so a venv that was not activated still works
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    return (torchrun if os.path.exists(torchrun) else "torchrun", "--standalone", f"--nproc_per_node={gpus}",
+            os.path.join(root, "tests", "fixtures", "ml", "ddp_mlp.py"))
+
+
 def _mirage_tui(ns: argparse.Namespace, command: tuple[str, ...] | None) -> int:
-    if not ns.batch:
-        print("mirage-tui: the interactive console is not built yet; use --batch", file=sys.stderr)
-        return USAGE_EXIT
-    return _run(_topology(ns, command, "mirage-tui"))
+    if ns.batch:
+        return _run(_topology(ns, command, "mirage-tui"))
+    if not command:
+        # no program: show the demo cluster training; 2 GPUs unless the user changed the default
+        if ns.gpus_per_node == 1:
+            ns.gpus_per_node = 2
+        command = _demo_command(ns.gpus_per_node)
+    topology = _topology(ns, command, "mirage-tui")
+    # Imported here: batch mode, --help and usage errors must never import textual.
+    from mirage_tui.app.app import MirageApp
+
+    app = MirageApp(topology)
+    try:
+        app.run()
+    finally:
+        app.stop_session()  # however the app ended, the run's processes end with it
+    return app.outcome.returncode if app.outcome is not None else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,41 @@
+"""Time CPU-bound training steps on DEVICE (argv[1]: cpu, or cuda under mirage). Driven by dispatch_overhead.py."""
+
+import json
+import sys
+import time
+
+import torch
+from torch import nn
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+
+
+def block() -> nn.Module:
+    return nn.TransformerEncoderLayer(d_model=256, nhead=4, dim_feedforward=1024, batch_first=True)
+
+
+def step_time(make, shape, device: str, steps: int) -> float:
+    torch.manual_seed(0)
+    model = make().to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(*shape, device=device)
+
+    def step():
+        opt.zero_grad()
+        model(x).float().pow(2).mean().backward()
+        opt.step()
+
+    for _ in range(3):
+        step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return (time.perf_counter() - start) / steps
+
+
+torch.set_num_threads(1)  # one core each way: the comparison is of dispatch, not of thread scheduling
+device = sys.argv[1]
+for name, make, shape, steps in (("mlp", mlp, (64, 256), 50), ("transformer_block", block, (8, 64, 256), 20)):
+    print(json.dumps({"model": name, "device": device, "ms": step_time(make, shape, device, steps) * 1e3}), flush=True)

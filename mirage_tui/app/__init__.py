@@ -1,0 +1,1 @@
+"""The interactive console (Textual). Only ``mirage-tui`` without ``--batch`` imports this package."""
