@@ -11,7 +11,6 @@ which runs it on the CPU tensors inside and wraps the results again.
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from shim import device as dev
 
@@ -87,60 +86,87 @@ class MirageTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        flat, spec = tree_flatten((args, kwargs))
-        gpu = None
-        wrappers: dict[int, MirageTensor] = {}
-        cpu_seen: torch.Tensor | None = None
-        for i, a in enumerate(flat):
-            if isinstance(a, MirageTensor):
-                if gpu is None:
-                    gpu = a._gpu
-                elif a._gpu != gpu and func not in _MIXED_OK:
-                    raise RuntimeError(
-                        "Expected all tensors to be on the same device, but found at least two devices, "
-                        f"cuda:{gpu} and cuda:{a._gpu}!"
-                    )
-                wrappers[id(a._elem)] = a
-                flat[i] = a._elem
-            elif isinstance(a, torch.Tensor) and a.dim() > 0:
-                cpu_seen = a
-            elif isinstance(a, torch.device) and a.type == BACKEND:
-                flat[i] = torch.device("cpu")
-        if cpu_seen is not None and gpu is not None and func not in _MIXED_OK:
+        # Hand-written unwrap/wrap of the argument shapes aten uses (tensors, lists and
+        # tuples of them, devices): every op comes through here, and pytree is ~2x slower.
+        un = _Unwrap(func)
+        uargs = tuple(un(a) for a in args)
+        ukwargs = {k: un(v) for k, v in kwargs.items()} if kwargs else {}
+        gpu = un.gpu
+        if un.cpu_seen is not None and gpu is not None and func not in _MIXED_OK:
             raise RuntimeError(
                 f"Expected all tensors to be on the same device, but found at least two devices, cuda:{gpu} and cpu!"
             )
-        target = kwargs.get("device")
+        target = kwargs.get("device") if kwargs else None
         if func is _aten._to_copy.default and target is not None and target.type == "cpu":
-            uargs, ukwargs = tree_unflatten(flat, spec)
             return func(*uargs, **ukwargs)  # leaves the GPU: a plain CPU tensor
         override = dev.allocation_override()
         out_gpu = override if override is not None else gpu if gpu is not None else dev.STATE.current
-        uargs, ukwargs = tree_unflatten(flat, spec)
-        out = func(*uargs, **ukwargs)
-        return _wrap_tree(out, out_gpu, wrappers)
+        return _wrap(func(*uargs, **ukwargs), out_gpu, un.wrappers)
 
 
-def _wrap_tree(out, gpu: int, wrappers: dict[int, MirageTensor]):
-    flat, spec = tree_flatten(out)
-    for i, o in enumerate(flat):
-        if isinstance(o, torch.Tensor) and not isinstance(o, MirageTensor):
-            # in-place and out= ops return their argument: hand back the same wrapper
-            w = wrappers.get(id(o))
-            if w is not None and w.shape != o.shape:
-                # A wrapper's sizes are fixed at creation. Factories fill an empty out tensor
-                # (arange, linspace, ...) and use the returned one: hand back a fresh wrapper.
-                # Resizing a tensor that holds data would leave the caller's reference stale.
-                if w.numel() != 0:
-                    raise RuntimeError(
-                        f"mirage: resizing a cuda tensor that holds data in place ({w.shape} -> {o.shape}, "
-                        "e.g. resize_ or out= of another shape) is not supported yet; allocate the output "
-                        "with its final shape"
-                    )
-                w = None
-            flat[i] = w if w is not None else MirageTensor(o, gpu)
-    return tree_unflatten(flat, spec)
+_CPU = torch.device("cpu")
+
+
+class _Unwrap:
+    """Replaces wrappers by their CPU tensors, noting their GPU and which wrapper each came from."""
+
+    __slots__ = ("func", "gpu", "wrappers", "cpu_seen")
+
+    def __init__(self, func):
+        self.func = func
+        self.gpu: int | None = None
+        self.wrappers: dict[int, MirageTensor] = {}
+        self.cpu_seen: torch.Tensor | None = None
+
+    def __call__(self, a):
+        if isinstance(a, MirageTensor):
+            if self.gpu is None:
+                self.gpu = a._gpu
+            elif a._gpu != self.gpu and self.func not in _MIXED_OK:
+                raise RuntimeError(
+                    "Expected all tensors to be on the same device, but found at least two devices, "
+                    f"cuda:{self.gpu} and cuda:{a._gpu}!"
+                )
+            self.wrappers[id(a._elem)] = a
+            return a._elem
+        if isinstance(a, torch.Tensor):
+            if a.dim() > 0:
+                self.cpu_seen = a
+            return a
+        if isinstance(a, (list, tuple)):
+            return type(a)([self(x) for x in a]) if not isinstance(a, torch.Size) else a
+        if isinstance(a, torch.device) and a.type == BACKEND:
+            return _CPU
+        return a
+
+
+def _wrap(out, gpu: int, wrappers: dict[int, MirageTensor]):
+    if isinstance(out, torch.Tensor):
+        return _wrap_one(out, gpu, wrappers)
+    if isinstance(out, (list, tuple)):
+        return type(out)([_wrap(o, gpu, wrappers) for o in out])
+    return out
+
+
+def _wrap_one(o: torch.Tensor, gpu: int, wrappers: dict[int, MirageTensor]) -> torch.Tensor:
+    if isinstance(o, MirageTensor):
+        return o
+    # in-place and out= ops return their argument: hand back the same wrapper
+    w = wrappers.get(id(o))
+    if w is None:
+        return MirageTensor(o, gpu)
+    if w.shape != o.shape:
+        # A wrapper's sizes are fixed at creation. Factories fill an empty out tensor
+        # (arange, linspace, ...) and use the returned one: hand back a fresh wrapper.
+        # Resizing a tensor that holds data would leave the caller's reference stale.
+        if w.numel() != 0:
+            raise RuntimeError(
+                f"mirage: resizing a cuda tensor that holds data in place ({w.shape} -> {o.shape}, "
+                "e.g. resize_ or out= of another shape) is not supported yet; allocate the output "
+                "with its final shape"
+            )
+        return MirageTensor(o, gpu)
+    return w
 
 
 def _empty_memory_format(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
