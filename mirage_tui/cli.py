@@ -60,7 +60,7 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--num-nodes", type=int, default=1, metavar="N", help="nodes (default: 1)")
     parser.add_argument(
-        "--gpus-per-node", type=int, default=1, metavar="G", help="GPUs per node (default: 1)"
+        "--gpus-per-node", type=int, default=None, metavar="G", help="GPUs per node (default: 1; 2 for the demo)"
     )
     parser.add_argument(
         "--env",
@@ -128,7 +128,7 @@ def _topology(ns: argparse.Namespace, command: tuple[str, ...] | None, help_prog
         topology = Topology(
             profile=ns.profile,
             num_nodes=ns.num_nodes,
-            gpus_per_node=ns.gpus_per_node,
+            gpus_per_node=1 if ns.gpus_per_node is None else ns.gpus_per_node,
             env=tuple(parse_env(item) for item in ns.env),
             in_process=ns.in_process,
             log_dir=ns.log_dir,
@@ -256,7 +256,7 @@ def _mirage_tui(ns: argparse.Namespace, command: tuple[str, ...] | None) -> int:
         return _run(_topology(ns, command, "mirage-tui"))
     if not command:
         # no program: show the demo cluster training; 2 GPUs unless the user changed the default
-        if ns.gpus_per_node == 1:
+        if ns.gpus_per_node is None:
             ns.gpus_per_node = 2
         command = _demo_command(ns.gpus_per_node)
     topology = _topology(ns, command, "mirage-tui")

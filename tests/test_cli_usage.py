@@ -149,10 +149,11 @@ def test_cli_imports_neither_textual_nor_torch(tmp_path):
 # ---------------------------------------------------------------- mirage-tui
 
 
-def test_tui_without_batch_says_not_built(capsys):
-    assert tui_main(["--", "python", "t.py"]) == 2
-    err = capsys.readouterr().err
-    assert err == "mirage-tui: the interactive console is not built yet; use --batch\n"
+def test_tui_validates_like_run_before_opening(capsys):
+    # a usage error never gets as far as the console
+    assert tui_main(["--num-nodes", "0", "--", "x"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("mirage-tui: error: --num-nodes")
 
 
 def test_tui_batch_validates_like_run(capsys):

@@ -86,6 +86,7 @@ class MirageApp(App[int]):
         self._quitting = False
         self._lines: dict[Source, deque[str]] = {}
         self._selected: Source | None = None
+        self._user_selected = False
         self._node_items: dict[int, TreeNode[Source]] = {}
         self._rank_items: dict[int, TreeNode[Source]] = {}
         self._rank_node: dict[int, int] = {}
@@ -240,8 +241,11 @@ class MirageApp(App[int]):
         if parent is None:  # a node the topology did not announce: show it anyway
             parent = self._node_items[node] = self.query_one("#ranks", Tree).root.add(
                 f"node {node}", data=("node", node), expand=True)
-        self._rank_items[rank] = parent.add_leaf(self._rank_label(rank), data=("rank", rank))
-        if self._selected is None or self._selected[0] == "node":
+        # ranks register in any order; keep the tree sorted
+        later = [item for r, item in self._rank_items.items() if r > rank and item.parent is parent]
+        before = min(later, key=lambda item: item.data[1]) if later else None
+        self._rank_items[rank] = parent.add_leaf(self._rank_label(rank), data=("rank", rank), before=before)
+        if not self._user_selected:  # until the user picks one, show the lowest rank
             self._select(("rank", min(self._rank_items)))
 
     def _rank_state(self, rank: int) -> str:
@@ -291,9 +295,12 @@ class MirageApp(App[int]):
     def on_tree_node_selected(self, event: Tree.NodeSelected[Source]) -> None:
         """Show the output of the rank (or node process) picked in the tree."""
         if event.node.data is not None:
+            self._user_selected = True
             self._select(event.node.data)
 
     def _select(self, source: Source) -> None:
+        if source == self._selected:
+            return
         self._selected = source
         log = self.query_one("#output", Log)
         log.border_title = f"{source[0]} {source[1]} output"
