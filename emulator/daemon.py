@@ -159,10 +159,7 @@ class Daemon:
         try:
             comm, pair = self.ledger.post_p2p(client, req)
         except CommError as e:
-            comm = self.ledger.comms.get(req.comm)
-            if comm is None or comm.failed is e:
-                raise
-            return self.fail(comm, e, extra=[Posted(client, req)])
+            return self.refuse_post(client, req, e)
         if pair is not None:
             try:
                 self.scheduler.submit(make_p2p_job(comm, pair, self.arena))
@@ -174,23 +171,18 @@ class Daemon:
             err = CommError(
                 "ncclInvalidArgument", f"device {req.device} is not one of this node's {self.gpus_per_node} GPUs"
             )
-            comm = self.ledger.comms.get(req.comm)
-            if comm is None:
-                raise err
-            return self.fail(comm, err, extra=[Posted(client, req)])
+            return self.refuse_post(client, req, err)
+        try:
+            comm, matched = self.ledger.post(client, req)
+        except CommError as e:
+            return self.refuse_post(client, req, e)
+        # published once the ledger took it: a refused post was never enqueued
         self.publish(
             s.CollectiveEnqueued(
                 comm=req.comm, seq=req.seq, rank=req.rank, op=req.op, dtype=req.dtype,
                 numel=req.numel, device=req.device, site=req.site,
             )
         )
-        try:
-            comm, matched = self.ledger.post(client, req)
-        except CommError as e:
-            comm = self.ledger.comms.get(req.comm)
-            if comm is None or comm.failed is e:
-                raise
-            return self.fail(comm, e, extra=[Posted(client, req)])
         if matched is None:
             return
         warning = self.stragglers.observe(comm, matched)
@@ -202,6 +194,13 @@ class Daemon:
             return self.fail(comm, CommError("ncclInvalidArgument", str(e)), extra=matched)
         self.scheduler.submit(job)
         self.publish(s.CollectiveStarted(comm=comm.comm, seq=req.seq, op=req.op, total_bytes=job.total_bytes))
+
+    def refuse_post(self, client: bytes, req: s.Collective, err: CommError) -> None:
+        """A post the ledger will not take: its communicator fails (every rank waiting in it hears why)."""
+        comm = self.ledger.comms.get(req.comm)
+        if comm is None or comm.failed is err:
+            raise err  # answered by handle(): nobody else is waiting on it
+        self.fail(comm, err, extra=[Posted(client, req)])
 
     def fail(self, comm: Communicator, err: CommError, extra: list[Posted]) -> None:
         """Fail the communicator: every rank waiting in it gets the error."""

@@ -19,7 +19,7 @@ class HangDetector:
 
     def __init__(self, timeout_s: float):
         self.timeout_s = timeout_s
-        self._reported: set[tuple[str, int]] = set()
+        self._reported: set[tuple[str, int | str]] = set()
 
     def scan(self, ledger: Ledger, now: float | None = None, busy: frozenset[int] = frozenset()) -> list[HangDetected]:
         """Findings for every collective partially joined for longer than the timeout.
@@ -32,6 +32,14 @@ class HangDetector:
         for comm in ledger.comms.values():
             if comm.failed:
                 continue
+            for (src, dst, n), halves in comm.p2p.items():
+                (posted,) = halves.values()  # a complete pair is never left here
+                key = (comm.comm, f"p2p {src}->{dst} #{n}")
+                waited = now - posted.at
+                peer = _global(comm, dst if src == posted.request.rank else src)
+                if key not in self._reported and waited >= self.timeout_s and peer not in busy:
+                    self._reported.add(key)
+                    found.append(_p2p_finding(comm, posted, peer, waited))
             for seq, slot in comm.posted.items():
                 if not slot or (comm.comm, seq) in self._reported:
                     continue
@@ -66,4 +74,23 @@ def _finding(comm: Communicator, seq: int, waited: float) -> HangDetected:
         missing=[_global(comm, r) for r in missing],
         last_enqueued=[comm.last_enqueued.get(r, 0) for r in missing],
         last_completed=[comm.last_completed.get(r, 0) for r in missing],
+    )
+
+
+def _p2p_finding(comm: Communicator, posted, peer: int, waited: float) -> HangDetected:
+    """A send (or receive) whose peer never posted the other half."""
+    req = posted.request
+    return HangDetected(
+        comm=comm.comm,
+        seq=req.seq,
+        op=req.op,
+        dtype=req.dtype,
+        numel=req.numel,
+        size=comm.size,
+        waited_s=round(waited, 3),
+        joined=[_global(comm, req.rank)],
+        sites=[req.site],
+        missing=[peer],
+        last_enqueued=[comm.last_enqueued.get(req.peer, 0)],
+        last_completed=[comm.last_completed.get(req.peer, 0)],
     )

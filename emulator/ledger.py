@@ -79,13 +79,18 @@ class Ledger:
         comm.members[init.rank] = init
         return comm
 
-    def post(self, client: bytes, req: Collective) -> tuple[Communicator, list[Posted] | None]:
-        """Record a rank's collective; return the full matched set once all ranks posted."""
+    def _live_member(self, req: Collective) -> Communicator:
+        """The communicator ``req`` is posted to, if the rank joined it and it has not failed."""
         comm = self.comms.get(req.comm)
         if comm is None or req.rank not in comm.members:
             raise CommError("ncclInvalidUsage", f"rank {req.rank} posted to communicator {req.comm} before joining it")
         if comm.failed:
             raise comm.failed
+        return comm
+
+    def post(self, client: bytes, req: Collective) -> tuple[Communicator, list[Posted] | None]:
+        """Record a rank's collective; return the full matched set once all ranks posted."""
+        comm = self._live_member(req)
         if req.seq <= comm.last_enqueued.get(req.rank, 0):
             raise CommError(
                 "ncclInvalidUsage", f"rank {req.rank} posted collective #{req.seq} out of order"
@@ -109,11 +114,7 @@ class Ledger:
 
     def post_p2p(self, client: bytes, req: Collective) -> tuple[Communicator, list[Posted] | None]:
         """Record a send or a receive; return [send, recv] once both halves of a message are posted."""
-        comm = self.comms.get(req.comm)
-        if comm is None or req.rank not in comm.members:
-            raise CommError("ncclInvalidUsage", f"rank {req.rank} posted to communicator {req.comm} before joining it")
-        if comm.failed:
-            raise comm.failed
+        comm = self._live_member(req)
         if not 0 <= req.peer < comm.size or req.peer == req.rank:
             raise CommError("ncclInvalidArgument", f"rank {req.rank}: invalid peer {req.peer} for {req.op.value}")
         src, dst = (req.rank, req.peer) if req.op is CollOp.SEND else (req.peer, req.rank)

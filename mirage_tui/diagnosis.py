@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 
 import psutil
 
-from emulator.schema import STACK_SIGNAL, HangDetected
+from emulator.schema import STACK_SIGNAL, CollOp, HangDetected
 
 
 @dataclass(frozen=True)
@@ -166,16 +166,21 @@ _INTERNAL_DIRS = _package_dirs("torch", "shim")
 def render(d: HangDiagnosis) -> str:
     """The report as text, in Flight Recorder's and NCCL's wording where they have one."""
     f = d.finding
+    what = "message" if f.op in (CollOp.SEND, CollOp.RECV) else "collective"
     lines = [
-        f"HANG: collective #{f.seq} ({f.op.name}, {f.numel} x {f.dtype}) of communicator {f.comm[:8]} "
+        f"HANG: {what} #{f.seq} ({f.op.name}, {f.numel} x {f.dtype}) of communicator {f.comm[:8]} "
         f"({f.size} ranks) has waited {f.waited_s:.1f} s",
         f"  joined ranks: {{{', '.join(map(str, f.joined))}}}",
         f"  missing ranks: {{{', '.join(map(str, f.missing))}}}",
     ]
     for rank, site in zip(f.joined, f.sites):
-        lines.append(f"  [{rank}] joined collective #{f.seq} at {site or '?'}")
+        lines.append(f"  [{rank}] joined {what} #{f.seq} at {site or '?'}")
+    p2p = what == "message"
     for rank, enq, done in zip(f.missing, f.last_enqueued, f.last_completed):
-        if enq == 0:
+        if p2p:
+            other = "recv" if f.op is CollOp.SEND else "send"
+            lines.append(f"  [{rank}] never posted the matching {other} (message #{f.seq} between the two)")
+        elif enq == 0:
             lines.append(f"  [{rank}] never joined any collective of this communicator")
         elif enq > done:
             lines.append(f"  [{rank}] joined but didn't finish collective #{enq} (count from 1)")

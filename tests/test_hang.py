@@ -184,3 +184,12 @@ def test_rank_raising_under_ddp_ends_the_run_with_its_traceback(tmp_path):
     assert r.returncode != 0
     assert "rank 1 raised" in r.stderr
     assert "ValueError: bad batch on rank 1 at step 5" in (run_dir(tmp_path) / "rank-1.log").read_text()
+
+
+def test_send_without_a_receive_is_a_hang(tmp_path):
+    r = mirage_run(tmp_path, "--gpus-per-node", "2", "--hang-timeout", str(HANG_TIMEOUT_S), "--",
+                   "torchrun", "--standalone", "--nproc_per_node=2", str(FIXTURES / "p2p_hang.py"))
+    assert r.returncode == 124, r.stderr
+    assert "HANG: message #1 (SEND, 4 x float32)" in r.stderr
+    assert "[1] never posted the matching recv (message #1 between the two)" in r.stderr
+    assert "p2p_hang.py:13:<module>" in r.stderr
