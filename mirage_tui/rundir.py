@@ -7,6 +7,8 @@ import secrets
 import time
 from dataclasses import dataclass
 
+from mirage_tui.topology import UsageError
+
 
 @dataclass(frozen=True)
 class RunDir:
@@ -36,10 +38,14 @@ class RunDir:
 def create(log_dir: str | None) -> RunDir:
     """Make ``<log_dir or .mirage/runs>/<timestamp>-<id>/`` with its ``ranks/`` folder and token."""
     root = os.path.abspath(log_dir or os.path.join(".mirage", "runs"))
-    os.makedirs(root, mode=0o700, exist_ok=True)
     session = secrets.token_hex(4)
     path = os.path.join(root, f"{time.strftime('%Y%m%d-%H%M%S')}-{session}")
-    os.mkdir(path, 0o700)
+    try:
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        os.mkdir(path, 0o700)
+    except OSError as e:
+        flag = f"--log-dir {log_dir}" if log_dir else f"the default run folder {root}"
+        raise UsageError(f"{flag}: cannot create a run directory there ({e.strerror}); pick a writable folder") from None
     os.mkdir(os.path.join(path, "ranks"), 0o700)
     run = RunDir(path=path, session=session, token=secrets.token_hex(16))
     fd = os.open(run.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

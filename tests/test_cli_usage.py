@@ -205,3 +205,10 @@ def test_status_of_something_that_is_not_a_run(tmp_path):
     assert "is not a mirage run directory (it has no events.jsonl)" in r.stderr
     r = mirage(tmp_path, "status", "--log-dir", str(tmp_path / "none"))
     assert r.returncode == 2 and "no runs under" in r.stderr
+
+
+def test_unwritable_log_dir_is_a_usage_error(tmp_path):
+    r = mirage(tmp_path, "run", "--log-dir", "/proc/nope/runs", "--", "python", "-c", "1")
+    assert r.returncode == 2
+    assert r.stderr.startswith("mirage: error: --log-dir /proc/nope/runs: cannot create a run directory there")
+    assert len(r.stderr.splitlines()) == 1

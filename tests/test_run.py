@@ -229,3 +229,14 @@ def test_point_to_point(tmp_path, ranks):
                    f"--nproc_per_node={ranks}", str(FIXTURES / "p2p_check.py"))
     assert r.returncode == 0, r.stdout + r.stderr
     assert all(f"[{k}] [rank {k}] p2p_ok" in r.stdout for k in range(ranks))
+
+
+def test_a_shell_script_workload_still_gets_the_shim(tmp_path):
+    script = tmp_path / "train.sh"
+    script.write_text('#!/bin/sh\necho "from the shell"\n'
+                      'exec python -c "import torch; print(torch.cuda.device_count(), torch.cuda.get_device_name())"\n')
+    script.chmod(0o755)
+    r = mirage_run(tmp_path / "runs", "--gpus-per-node", "3", "--", str(script))
+    assert r.returncode == 0, r.stderr
+    assert "[node0] from the shell" in r.stdout  # the shell is the node process, python the rank
+    assert "[0] 3 AMD Instinct MI350X" in r.stdout
