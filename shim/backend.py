@@ -264,7 +264,10 @@ class MirageProcessGroup(dist.ProcessGroup):
             request = s.Collective(
                 comm=self._comm, seq=self._seq, rank=self._rank, op=op, reduce_op=reduce_op,
                 dtype=str(dtype).removeprefix("torch."), numel=numel, out_numel=out_numel, root=root,
-                device=device, arena=arena.name, in_off=0, out_off=0 if same else out_off, site=_call_site(),
+                # the node's GPU, not the visible ordinal: two ranks that each see "cuda:0"
+                # through CUDA_VISIBLE_DEVICES are on different GPUs
+                device=dev.STATE.physical[device], arena=arena.name, in_off=0, out_off=0 if same else out_off,
+                site=_call_site(),
                 splits=splits or [],
             )
             started = time.monotonic()
@@ -440,7 +443,8 @@ class MirageProcessGroup(dist.ProcessGroup):
         req = self._client.send(
             s.Collective(
                 comm=self._comm, seq=n, rank=self._rank, op=op, dtype=str(elem.dtype).removeprefix("torch."),
-                numel=elem.numel(), out_numel=elem.numel(), device=tensor._gpu, arena=arena.name, peer=peer,
+                numel=elem.numel(), out_numel=elem.numel(), device=dev.STATE.physical[tensor._gpu], arena=arena.name,
+                peer=peer,
                 site=_call_site(),
             )
         )

@@ -68,6 +68,7 @@ class DeviceProperties:
 
 def get_device_properties(device=None) -> DeviceProperties:
     i = _index(device)
+    node_gpu = dev.STATE.physical[i]  # identity follows the GPU, not the visible ordinal
     p = dev.STATE.profile
     return DeviceProperties(
         name=p.product,
@@ -78,8 +79,8 @@ def get_device_properties(device=None) -> DeviceProperties:
         multi_processor_count=p.compute_units,
         warp_size=p.wavefront,
         L2_cache_size=p.l2_cache_bytes,
-        uuid=str(uuid_mod.uuid5(uuid_mod.NAMESPACE_URL, f"mirage/{p.name}/{i}")),
-        pci_bus_id=i + 1,
+        uuid=str(uuid_mod.uuid5(uuid_mod.NAMESPACE_URL, f"mirage/{p.name}/{node_gpu}")),
+        pci_bus_id=node_gpu + 1,
         pci_device_id=0,
     )
 
@@ -183,7 +184,7 @@ def install() -> None:
     c = torch.cuda
     count = dev.STATE.count
     replacements = {
-        "is_available": lambda: True,
+        "is_available": lambda: count > 0,  # CUDA_VISIBLE_DEVICES="" hides every GPU
         "is_initialized": lambda: True,
         "init": lambda: None,
         "_lazy_init": lambda: None,
@@ -216,7 +217,7 @@ def install() -> None:
 
     acc = torch.accelerator
     for name, fn in {
-        "is_available": lambda: True,
+        "is_available": lambda: count > 0,
         "current_accelerator": lambda check_available=False: torch.device("cuda"),
         "device_count": lambda: count,
         "current_device_index": lambda: dev.STATE.current,

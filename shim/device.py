@@ -23,14 +23,39 @@ BACKEND = "mirage"
 @dataclass
 class DeviceState:
     profile: Profile
-    count: int
+    physical: list[int]  # visible ordinal -> the node's GPU (after *_VISIBLE_DEVICES)
     current: int = 0
-    initialized: bool = False
+
+    @property
+    def count(self) -> int:
+        return len(self.physical)
+
+
+#: Applied in this order, each narrowing what the one before left visible, as on ROCm.
+VISIBILITY_VARS = ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
+
+
+def visible_devices(gpus: int, env: dict[str, str]) -> list[int]:
+    """The node's GPUs a process sees, in its order; like the runtime, a list stops at its first bad entry."""
+    visible = list(range(gpus))
+    for var in VISIBILITY_VARS:
+        value = env.get(var)
+        if value is None:
+            continue
+        narrowed = []
+        for item in value.split(","):
+            item = item.strip()
+            if not item.isdigit() or int(item) >= len(visible) or visible[int(item)] in narrowed:
+                break
+            narrowed.append(visible[int(item)])
+        visible = narrowed
+    return visible
 
 
 def _from_env() -> DeviceState:
     profile = load_profile(os.environ.get("MIRAGE_PROFILE", "mi350x"))
-    return DeviceState(profile=profile, count=int(os.environ.get("MIRAGE_GPUS_PER_NODE", "1")))
+    gpus = int(os.environ.get("MIRAGE_GPUS_PER_NODE", "1"))
+    return DeviceState(profile=profile, physical=visible_devices(gpus, dict(os.environ)))
 
 
 STATE = _from_env()

@@ -240,3 +240,21 @@ def test_a_shell_script_workload_still_gets_the_shim(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "[node0] from the shell" in r.stdout  # the shell is the node process, python the rank
     assert "[0] 3 AMD Instinct MI350X" in r.stdout
+
+
+def test_cuda_visible_devices_narrows_each_rank_to_its_gpu(tmp_path):
+    r = mirage_run(tmp_path, "--gpus-per-node", "2", "--", "torchrun", "--standalone", "--nproc_per_node=2",
+                   str(FIXTURES / "visible_devices.py"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    uuids = {line.rsplit("uuid=", 1)[1] for line in r.stdout.splitlines() if "visible_devices_ok" in line}
+    assert len(uuids) == 2  # two different GPUs, both seen as cuda:0
+
+
+def test_visible_devices_parsing():
+    from shim.device import visible_devices
+
+    assert visible_devices(4, {}) == [0, 1, 2, 3]
+    assert visible_devices(4, {"CUDA_VISIBLE_DEVICES": "2,0"}) == [2, 0]
+    assert visible_devices(4, {"HIP_VISIBLE_DEVICES": "3,1", "CUDA_VISIBLE_DEVICES": "1"}) == [1]
+    assert visible_devices(4, {"CUDA_VISIBLE_DEVICES": "1,9,2"}) == [1]  # stops at the first bad entry
+    assert visible_devices(4, {"CUDA_VISIBLE_DEVICES": ""}) == []
