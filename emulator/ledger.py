@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from emulator.profiles import bus_id
 from emulator.schema import CollOp, Collective, CommInit
 
 
@@ -44,11 +45,6 @@ class Communicator:
     p2p: dict[tuple[int, int, int], dict[CollOp, Posted]] = field(default_factory=dict)  # (src, dst, n)
     devices_checked: bool = False
     failed: CommError | None = None
-
-
-def _bus_id(device: int) -> str:
-    # NCCL prints the PCI bus id as a hex integer; emulated GPU i sits on bus i+1 (shim/nccl_debug.py agrees)
-    return f"{(device + 1) << 12:x}"
 
 
 def _fingerprint(r: Collective) -> str:
@@ -162,7 +158,7 @@ class Ledger:
                 raise CommError(
                     "ncclInvalidUsage",
                     f"Duplicate GPU detected : rank {seen[key]} and rank {p.request.rank} "
-                    f"both on CUDA device {_bus_id(p.request.device)}",
+                    f"both on CUDA device {bus_id(p.request.device)}",
                 )
             seen[key] = p.request.rank
 

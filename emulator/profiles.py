@@ -110,3 +110,8 @@ def load_profile(name: str) -> Profile:
     if name.lower() not in names:
         raise ProfileError(f"unknown profile {name!r}; choose one of: {', '.join(names)}")
     return _from_file(PROFILE_DIR / f"{name.lower()}.toml")
+
+
+def bus_id(device: int) -> str:
+    """The PCI bus id NCCL prints for the node's GPU ``device`` (a hex integer): GPU i sits on bus i+1."""
+    return f"{(device + 1) << 12:x}"

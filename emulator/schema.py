@@ -18,6 +18,7 @@ import signal
 import time
 import typing
 from dataclasses import dataclass, field
+from collections.abc import Iterator
 from enum import Enum
 from typing import ClassVar
 
@@ -438,14 +439,18 @@ def encode_events(events: list[bytes]) -> bytes:
     return b"\n".join(events)
 
 
-def decode_events(frame: bytes) -> list[Event]:
-    """The events of one PUB frame (see :func:`encode_events`); malformed lines are skipped."""
-    events = []
-    for line in frame.split(b"\n"):
+def iter_events(lines) -> Iterator[tuple[Event, bytes]]:
+    """Each event among encoded ``lines`` with its line; malformed lines are skipped (a live writer
+    may have cut the last one short)."""
+    for line in lines:
         try:
             msg = decode(line)
         except SchemaError:
             continue
         if isinstance(msg, Event):
-            events.append(msg)
-    return events
+            yield msg, line
+
+
+def decode_events(frame: bytes) -> list[Event]:
+    """The events of one PUB frame (see :func:`encode_events`)."""
+    return [event for event, _ in iter_events(frame.split(b"\n"))]

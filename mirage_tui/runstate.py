@@ -16,13 +16,8 @@ from emulator import schema as s
 def read_journal(path: str) -> Iterator[s.Event]:
     """The events of an ``events.jsonl``; a line cut short by a live writer is skipped."""
     with open(path, "rb") as f:
-        for line in f:
-            try:
-                event = s.decode(line)
-            except s.SchemaError:
-                continue
-            if isinstance(event, s.Event):
-                yield event
+        for event, _ in s.iter_events(f):
+            yield event
 
 
 @dataclass

@@ -92,11 +92,9 @@ class Session:
         self._journal = open(self.run.events, "ab")
         self._log_files: dict[str, object] = {}
         # what the dispatcher learns, for diagnosing hangs (written by it only)
-        self.rank_pids: dict[int, int] = {}
         self.last_output: dict[int, tuple[str, float]] = {}
         self._exited: set[int] = set()  # nodes whose exit was emitted
         self._tearing_down = False
-        self.gone_ranks: list[int] = []  # in the order the daemon noticed them
         self.state = RunState()  # the fold of every event, for the report
         self._hangs: queue.Queue[s.HangDetected] = queue.Queue()
 
@@ -127,10 +125,6 @@ class Session:
                     self._log_line(e)
                     if e.rank >= 0:
                         self.last_output[e.rank] = (e.text, e.t)
-                elif isinstance(e, s.RankRegistered):
-                    self.rank_pids[e.rank] = e.pid
-                elif isinstance(e, s.RankGone):
-                    self.gone_ranks.append(e.rank)
                 elif isinstance(e, s.HangDetected):
                     self._journal.flush()  # the diagnosis reads the journal (Flight Recorder dumps)
                     self._hangs.put(e)
@@ -166,13 +160,8 @@ class Session:
                         data = self._sub.recv(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    for line in data.split(b"\n"):
-                        try:
-                            event = s.decode(line)
-                        except s.SchemaError:
-                            continue
-                        if isinstance(event, s.Event):
-                            self.emit(event, line)
+                    for event, line in s.iter_events(data.split(b"\n")):
+                        self.emit(event, line)
             if stopping:
                 return
 
@@ -357,7 +346,7 @@ class Session:
             except queue.Empty:
                 return summary
             d = diagnosis.diagnose(
-                finding, dict(self.rank_pids), dict(self.last_output), self.run.ranks, self.run.session
+                finding, dict(self.state.rank_pids), dict(self.last_output), self.run.ranks, self.run.session
             )
             path = diagnosis.write(d, self.run.path)
             fr = flight_recorder.dump_run(self.run.path)
@@ -377,7 +366,7 @@ class Session:
         how = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
         pid = self.nodes[node].pid
         # with direct launch the node process is the rank itself
-        who = next((f"rank {r}" for r, p in self.rank_pids.items() if p == pid), f"node {node}")
+        who = next((f"rank {r}" for r, p in self.state.rank_pids.items() if p == pid), f"node {node}")
         raised: dict[int, str] = {}
         for name in sorted(os.listdir(self.run.ranks)):
             if name.endswith(".stderr"):
@@ -387,8 +376,9 @@ class Session:
                         raised[rank] = f"rank {rank} raised (log: {self.run.rank_log(rank)})"
         first_gone = ""
         # a rank that vanished without a traceback (killed, aborted) is the likelier cause
-        if self.gone_ranks and not who.startswith("rank") and self.gone_ranks[0] not in raised:
-            r = self.gone_ranks[0]
+        gone = self.state.gone  # in the order the daemon noticed them
+        if gone and not who.startswith("rank") and gone[0] not in raised:
+            r = gone[0]
             first_gone = f"; rank {r} was the first rank to go (log: {self.run.rank_log(r)})"
         where = "; ".join(raised.values()) or f"log: {self.run.node_log(node)}"
         return f"{who} {how}{first_gone}; {where}"

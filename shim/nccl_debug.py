@@ -13,6 +13,7 @@ import socket
 import sys
 import threading
 
+from emulator.profiles import bus_id
 from shim.cuda import NCCL_VERSION
 
 _version_printed = False
@@ -31,10 +32,6 @@ def transport(my_host: str, peer_host: str) -> str:
     if os.environ.get("NCCL_SHM_DISABLE") != "1":
         return "SHM/direct/direct"
     return "NET/Socket/0"
-
-
-def bus_id(device: int) -> str:
-    return f"{(device + 1) << 12:x}"
 
 
 def print_init(comm: str, rank: int, devices: list[int], hosts: list[str]) -> None:

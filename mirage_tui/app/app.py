@@ -339,10 +339,10 @@ class MirageApp(App[int]):
     def action_dump_stacks(self) -> None:
         """Ask every live rank for its Python stacks (on a thread: it waits up to a second)."""
         session = self.session
-        if session is None or not session.rank_pids:
+        if session is None or not session.state.rank_pids:
             self.notify("no ranks to ask yet", severity="warning")
             return
-        pids = dict(session.rank_pids)
+        pids = dict(session.state.rank_pids)
 
         def dump() -> None:
             stacks = diagnosis.dump_stacks(pids, session.run.ranks, session.run.session)
