@@ -22,7 +22,7 @@ import traceback
 import zmq
 
 from emulator import schema as s
-from emulator.arena import Arena, ArenaError, check_name
+from emulator.arena import Arena, ArenaError, check_name, session_segments
 from emulator.hang import HangDetector
 from emulator.kernels import KernelError
 from emulator.ledger import CommError, Communicator, Ledger, Posted
@@ -35,6 +35,15 @@ EVENT_SOCKET = "events.sock"
 PROGRESS_INTERVAL_S = 0.05
 HANG_SCAN_INTERVAL_S = 0.1
 PEER_CHECK_INTERVAL_S = 0.02
+#: Refused requests written to daemon.log one by one; after that, one line per thousand.
+REFUSALS_LOGGED = 20
+#: Largest communicator: mirage's largest cluster (1024 nodes x 64 GPUs).
+MAX_COMM_SIZE = 1 << 16
+#: what a MemoryReport passes on, unchanged, as a MemoryUsage event
+_MEMORY_FIELDS = ("rank", "node", "device", "allocated", "reserved", "peak", "total")
+#: Frames above this are cut off by ZeroMQ (the connection is dropped) before they are buffered;
+#: frames between ``schema.MAX_MESSAGE_BYTES`` and this get an error reply.
+MAX_FRAME_BYTES = 16 * s.MAX_MESSAGE_BYTES
 
 
 def endpoints(run_dir: str) -> tuple[str, str]:
@@ -58,6 +67,7 @@ class Daemon:
         self.router.setsockopt(zmq.LINGER, 0)
         # a vanished client must not make replies block the loop
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.router.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)  # a 4 GiB frame must not be buffered
         self.router.bind(rpc)
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.SNDHWM, 0)  # events are never dropped for a slow session
@@ -72,6 +82,7 @@ class Daemon:
         self.arenas: dict[str, Arena] = {}
         self.running = True
         self._outbox: list[bytes] = []
+        self.refused = 0  # requests refused so far (bad token, malformed)
 
     # ------------------------------------------------------------ plumbing
 
@@ -123,7 +134,12 @@ class Daemon:
                 self.rank_pids[msg.rank] = msg.pid
                 self.dead.pop(msg.rank, None)  # a restarted rank (torchrun --max-restarts) is alive again
                 self.publish(s.RankRegistered(rank=msg.rank, node=msg.node, pid=msg.pid))
+            elif isinstance(msg, s.MemoryReport):
+                self.reply(client, s.Ok(req=msg.req))
+                self.publish(s.MemoryUsage(**{f: getattr(msg, f) for f in _MEMORY_FIELDS}))
             elif isinstance(msg, s.CommInit):
+                if not 1 <= msg.size <= MAX_COMM_SIZE:  # the ledger and the hang scan walk every rank
+                    raise CommError("ncclInvalidArgument", f"communicator size {msg.size} is outside 1..{MAX_COMM_SIZE}")
                 self.ledger.join(msg)
                 self.reply(client, s.Ok(req=msg.req))
                 self.publish(
@@ -148,6 +164,11 @@ class Daemon:
     def refuse(self, client: bytes, req: int, why: str) -> None:
         self.reply(client, s.Error(req=req, code="protocol", message=why))
         self.publish(s.ProtocolError(message=why))
+        # daemon.log too: the first refusals with their reason, then one line per thousand (a flood stays small)
+        self.refused += 1
+        if self.refused <= REFUSALS_LOGGED or self.refused % 1000 == 0:
+            print(f"mirage daemon: refused request #{self.refused} from client {client.hex()}: {why[:200]}",
+                  file=sys.stderr, flush=True)
 
     def publish_ready(self) -> None:
         self.publish(
@@ -314,6 +335,28 @@ class Daemon:
             if os.getppid() != parent:
                 break  # the session is gone: nobody is left to serve
 
+    def stop_orphans(self) -> None:
+        """The session is gone: stop the ranks it left (they would wait on nobody) and remove the session's arenas."""
+        # only processes that carry this session's id: a Hello's pid is the client's word, not proof
+        pids = [pid for pid in self.rank_pids.values() if pid > 1 and _alive(pid) and _of_session(pid, self.session)]
+        stopping = len(pids)
+        for sig, grace in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 1.0)):
+            for pid in pids:
+                try:
+                    os.kill(pid, sig)
+                except OSError:
+                    pass
+            deadline = time.monotonic() + grace
+            while (pids := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        for path in session_segments(self.session):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        print(f"mirage daemon: the session went away; stopped {stopping} of its rank process(es)", file=sys.stderr,
+              flush=True)
+
     def close(self) -> None:
         self.flush_events()
         for arena in self.arenas.values():
@@ -332,6 +375,15 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _of_session(pid: int, session: str) -> bool:
+    """Whether process ``pid`` runs with ``MIRAGE_SESSION=<session>`` in its environment (as the session's sweep checks)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f"MIRAGE_SESSION={session}".encode() in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
 def _die_with_parent() -> None:
     # Linux: SIGTERM us if the session dies without reaping us
     try:
@@ -345,6 +397,7 @@ def _die_with_parent() -> None:
 def run(run_dir: str, session: str, token: str, profile: str, nodes: int, gpus_per_node: int,
         hang_timeout_s: float) -> int:
     """Entry point used by ``python -m emulator``."""
+    parent = os.getppid()
     _die_with_parent()
     daemon = Daemon(run_dir, session, token, profile, nodes, gpus_per_node, hang_timeout_s)
 
@@ -357,6 +410,8 @@ def run(run_dir: str, session: str, token: str, profile: str, nodes: int, gpus_p
     try:
         daemon.serve()
     finally:
+        if os.getppid() != parent:  # the session died without stopping us (SIGKILL): nobody else will clean up
+            daemon.stop_orphans()
         daemon.close()
         usage = resource.getrusage(resource.RUSAGE_SELF)
         # read by bench/allreduce_perf.py: what the collectives cost the daemon

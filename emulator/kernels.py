@@ -90,12 +90,16 @@ def reduce(parts: list[np.ndarray], op: ReduceOp, dtype: str) -> np.ndarray:
     acc = np.array(_to_compute(parts[0], dtype), copy=True)
     for p in parts[1:]:
         fn(acc, _to_compute(p, dtype), out=acc)
+    _average(acc, op, len(parts))
+    return _from_compute(acc, dtype)
+
+
+def _average(acc: np.ndarray, op: ReduceOp, n: int) -> None:
     if op is ReduceOp.AVG:
         if acc.dtype.kind in "iu":
             # NCCL divides integer sums as C does, truncating toward zero; // floors
-            inexact_neg = (acc < 0) & (acc % len(parts) != 0)
-            acc //= len(parts)
+            inexact_neg = (acc < 0) & (acc % n != 0)
+            acc //= n
             acc += inexact_neg
         else:
-            acc /= len(parts)
-    return _from_compute(acc, dtype)
+            acc /= n

@@ -120,6 +120,20 @@ class CommInit(Request):
 
 
 @dataclass(frozen=True)
+class MemoryReport(Request):
+    """A rank's allocator figures for one GPU, sent when they change (a few times a second at most)."""
+
+    TYPE: ClassVar[str] = "memory_report"
+    rank: int = 0
+    node: int = 0
+    device: int = 0  # the node's GPU, not the rank's visible ordinal
+    allocated: int = 0  # bytes, as torch.cuda.memory_allocated
+    reserved: int = 0  # bytes, as torch.cuda.memory_reserved
+    peak: int = 0  # bytes, as torch.cuda.max_memory_allocated
+    total: int = 0  # the GPU's capacity (the profile's HBM or --hbm)
+
+
+@dataclass(frozen=True)
 class Collective(Request):
     """Rank ``rank`` of ``comm`` posts collective number ``seq``.
 
@@ -212,6 +226,20 @@ class RankGone(Event):
     TYPE: ClassVar[str] = "rank_gone"
     rank: int = 0
     pid: int = 0
+
+
+@dataclass(frozen=True)
+class MemoryUsage(Event):
+    """GPU memory a rank holds on one device (from its MemoryReport)."""
+
+    TYPE: ClassVar[str] = "memory_usage"
+    rank: int = 0
+    node: int = 0
+    device: int = 0
+    allocated: int = 0
+    reserved: int = 0
+    peak: int = 0
+    total: int = 0
 
 
 @dataclass(frozen=True)
@@ -415,12 +443,23 @@ def _fields(cls: type) -> list[tuple[str, object]]:
     return fields
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if value - value != 0.0:  # inf or nan (1e999 parses as inf)
+        raise ValueError(f"{text[:20]} is not a finite number")
+    return value
+
+
 def decode(data: bytes | str) -> Message:
     """Parse one wire message; raise :class:`SchemaError` on anything malformed."""
     if len(data) > MAX_MESSAGE_BYTES:
         raise SchemaError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
     try:
-        body = json.loads(data)
+        body = json.loads(data, parse_constant=_no_constant, parse_float=_finite)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise SchemaError(f"not JSON: {e}") from None
     if not isinstance(body, dict):

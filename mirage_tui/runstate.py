@@ -20,6 +20,18 @@ def read_journal(path: str) -> Iterator[s.Event]:
             yield event
 
 
+def human_bytes(n: int) -> str:
+    """``1536`` -> ``1.5 KiB``: sizes the way nvidia-smi/rocm-smi readers expect them."""
+    if n < 1024:
+        return f"{n} B"
+    size, unit = float(n), "B"
+    for unit in ("KiB", "MiB", "GiB"):
+        size /= 1024
+        if size < 1024:
+            break
+    return f"{size:.1f} {unit}"
+
+
 @dataclass
 class RankColl:
     """One rank's position in one communicator."""
@@ -52,6 +64,7 @@ class RunState:
     gone: list[int] = field(default_factory=list)
     node_exits: dict[int, int] = field(default_factory=dict)
     hangs: list[s.HangDetected] = field(default_factory=list)
+    memory: dict[tuple[int, int], s.MemoryUsage] = field(default_factory=dict)  # (rank, node GPU) -> latest
     started_at: float | None = None
     ended: s.SessionEnded | None = None
     last_t: float = 0.0
@@ -91,6 +104,8 @@ class RunState:
                 c.failed = f"{e.code}: {e.message}"
         elif isinstance(e, s.HangDetected):
             self.hangs.append(e)
+        elif isinstance(e, s.MemoryUsage):
+            self.memory[(e.rank, e.device)] = e
         elif isinstance(e, s.ProcessExited):
             self.node_exits[e.node] = e.returncode
         elif isinstance(e, s.SessionEnded):
@@ -125,6 +140,25 @@ class RunState:
         if not out:
             return "no communicators yet"
         return "\n".join(out) + "\n  (* waiting for a collective to complete)"
+
+    def memory_table(self) -> str:
+        """Per rank and GPU: memory allocated, reserved and its peak, as the ranks last reported."""
+        if not self.memory:
+            return "no GPU memory reported yet"
+        out = [f"  {'rank':>4}  {'gpu':>3}  {'allocated':>10}  {'reserved':>10}  {'peak':>10}  {'total':>10}"]
+        for (rank, device), m in sorted(self.memory.items()):
+            out.append(f"  {rank:>4}  {device:>3}  {human_bytes(m.allocated):>10}  {human_bytes(m.reserved):>10}  "
+                       f"{human_bytes(m.peak):>10}  {human_bytes(m.total):>10}")
+        return "GPU memory\n" + "\n".join(out)
+
+    def memory_json(self) -> dict:
+        """The GPU-memory part of the run's JSON report: ``{rank: {gpu: figures}}``."""
+        out: dict = {}
+        for (rank, device), m in sorted(self.memory.items()):
+            out.setdefault(str(rank), {})[str(device)] = {
+                "allocated": m.allocated, "reserved": m.reserved, "peak": m.peak, "total": m.total,
+            }
+        return out
 
     def to_json(self) -> dict:
         """The per-communicator part of the run's JSON report."""

@@ -48,12 +48,30 @@ class Topology:
     on_hang: OnHang = OnHang.EXIT
     faults: tuple[Fault, ...] = ()  # --inject
     report: str | None = None  # --report FILE: the run's JSON report, besides run_dir/report.json
+    hbm_bytes: int | None = None  # --hbm: each GPU's memory instead of the profile's (rehearse OOM)
     command: tuple[str, ...] = ()  # the program and its own arguments
 
     @property
     def world_gpus(self) -> int:
         """How many GPUs the whole cluster has."""
         return self.num_nodes * self.gpus_per_node
+
+
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*\Z", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1}
+for _i, _p in enumerate("kmgt", start=1):
+    _UNITS.update({_p: 1024**_i, f"{_p}ib": 1024**_i, f"{_p}i": 1024**_i, f"{_p}b": 1000**_i})
+
+
+def parse_size(text: str) -> int:
+    """Parse ``--hbm`` sizes such as ``8GiB``, ``512MiB``, ``80GB`` or bytes; raise :class:`UsageError`."""
+    m = _SIZE.match(text)
+    if not m or m.group(2) is not None and m.group(2).lower() not in _UNITS:
+        raise UsageError(f"--hbm expects a size such as 8GiB, 512MiB or 80GB, got {text!r}")
+    size = int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+    if size <= 0:
+        raise UsageError(f"--hbm must be above zero, got {text!r}")
+    return size
 
 
 def parse_env(item: str) -> tuple[str, str]:

@@ -34,6 +34,10 @@ class _Backend:
     def manual_seed_all(seed: int) -> None:
         pass
 
+    @staticmethod
+    def get_amp_supported_dtype() -> list:
+        return [torch.float16, torch.bfloat16]
+
 
 def activate() -> None:
     """Register the backend, the tensor subclass factories, the cuda surface and the mode."""
@@ -46,14 +50,20 @@ def activate() -> None:
     from shim.device import BACKEND
 
     _setup_privateuseone_for_python_backend(rename=BACKEND, backend_module=_Backend())
-    from shim import cuda, mode, tensor
+    from shim import autocast, cuda, deferred, mode, tensor, torch_compile
 
     tensor.register_factories()
+    autocast.install()
+    deferred.install()
+    torch_compile.install()
     cuda.install()
     mode.install()
-    from shim import backend
+    from shim import backend, serialization, sharding, syncbn
 
     backend.install()
+    serialization.install()  # torch.load(map_location="cuda:i")
+    syncbn.install()  # the CUDA-only kernels of nn.SyncBatchNorm
+    sharding.install()  # FSDP2's storage freeing, DTensor.device
     _register_rank()
 
 
@@ -66,8 +76,9 @@ def _register_rank() -> None:
     if "MIRAGE_ENDPOINT" not in os.environ:
         return
     from emulator.schema import Hello
+    from shim import memory
     from shim.client import client
 
-    client().request(
-        Hello(rank=int(os.environ.get("RANK", "0")), node=int(os.environ.get("MIRAGE_NODE_RANK", "0")), pid=os.getpid())
-    )
+    rank, node = int(os.environ.get("RANK", "0")), int(os.environ.get("MIRAGE_NODE_RANK", "0"))
+    client().request(Hello(rank=rank, node=node, pid=os.getpid()))
+    memory.start_reporter(rank, node)

@@ -2,30 +2,35 @@
 
 ``init_process_group("nccl")`` is routed here (the CPU build refuses the real
 NCCL) while ``dist.get_backend()`` still answers ``"nccl"``. A collective
-copies each input into the rank's shared-memory arena, posts it to the daemon
-with the next sequence number of its communicator, waits for ``Done`` and
-copies the result back: the daemon reduces in place, over shared memory.
+copies each input into shared memory (the rank's arena, or a buffer of its own
+while others are in flight), posts it to the daemon with the next sequence
+number of its communicator and returns; its ``Work`` waits for ``Done`` and
+copies the result back, the rank's collectives in the order it posted them, as
+on one stream. The daemon reduces in place, over shared memory.
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
+import itertools
 import os
 import socket
 import sys
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
-from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
 from emulator import faults
+from emulator.arena import Arena, arena_name
 from emulator import schema as s
 from shim import client as cl
 from shim import nccl_debug
@@ -54,14 +59,23 @@ _REDUCE = {
 }
 
 
-def _reduce_op(opts) -> s.ReduceOp:
-    """Our name for the options' reduction (C++ hands us a ReduceOp wrapping a RedOpType)."""
+def _reduction(opts) -> dict:
+    """``_run``'s keywords for the options' reduction (C++ hands us a ReduceOp wrapping a RedOpType).
+
+    ``premul_sum`` (``dist._make_nccl_premul_sum(factor)``) is NCCL's sum of
+    inputs each scaled by ``factor``: the scaling happens here, on the staged
+    copy, and the daemon sums.
+    """
     if opts is None:
-        return s.ReduceOp.SUM
-    op = _REDUCE.get(opts.reduceOp.op)
+        return {"reduce_op": s.ReduceOp.SUM}
+    red = opts.reduceOp
+    if red.op == dist.ReduceOp.RedOpType.PREMUL_SUM:
+        factor = red.factor
+        return {"reduce_op": s.ReduceOp.SUM, "premul": factor.item() if isinstance(factor, torch.Tensor) else factor}
+    op = _REDUCE.get(red.op)
     if op is None:
-        raise ValueError(f"reduce op {opts.reduceOp.op.name} is not supported by the emulated NCCL")
-    return op
+        raise ValueError(f"reduce op {red.op.name} is not supported by the emulated NCCL")
+    return {"reduce_op": op}
 
 
 def _nccl_error(code: str, message: str, device: int) -> dist.DistBackendError:
@@ -95,13 +109,42 @@ def _call_site() -> str:
     return ""
 
 
+#: Set while a functional collective (``torch.ops._c10d_functional``: DTensor, clip_grad_norm_ on
+#: DTensors) runs on the host data of emulated tensors: the GPU those CPU tensors belong to.
+_host = threading.local()
+
+
+def functional_collective(func, args, kwargs, gpu: int):
+    """Run functional collective ``func`` on the CPU data (``args``) of GPU ``gpu``'s tensors.
+
+    ``MirageTensor.__torch_dispatch__`` unwraps every op's arguments; for these
+    ops the unwrapped tensors reach this group, which takes them as ``gpu``'s.
+    """
+    _host.gpu = gpu
+    try:
+        return func(*args, **kwargs)
+    finally:
+        _host.gpu = None
+
+
+def _host_gpu() -> int | None:
+    return getattr(_host, "gpu", None)
+
+
+def _gpu(t: torch.Tensor) -> int:
+    """The emulated GPU of a collective's tensor."""
+    return t._gpu if isinstance(t, MirageTensor) else _host.gpu
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """The CPU data of a collective's tensor, refused as ProcessGroupNCCL refuses it."""
-    if not isinstance(t, MirageTensor):
+    if isinstance(t, MirageTensor):
+        t = t._elem
+    elif _host_gpu() is None or t.device.type != "cpu":
         raise ValueError(f"Tensors must be CUDA and dense; got a tensor on {t.device}")
-    if not t._elem.is_contiguous():
+    if not t.is_contiguous():
         raise ValueError("Tensors must be contiguous")
-    return t._elem
+    return t
 
 
 def _leaves(args) -> list:
@@ -118,7 +161,7 @@ def _cpu_via_gloo(method):
 
     @functools.wraps(method)
     def route(self, *args, **kwargs):
-        if any(isinstance(a, MirageTensor) for a in _leaves(args)):
+        if _host_gpu() is not None or any(isinstance(a, MirageTensor) for a in _leaves(args)):
             return method(self, *args, **kwargs)
         if self._cpu is None:
             raise RuntimeError("No backend type associated with device type cpu")
@@ -129,7 +172,12 @@ def _cpu_via_gloo(method):
 
 def _into(dst: torch.Tensor) -> Callable[[torch.Tensor], None]:
     """A ``deliver`` that copies a collective's flat output into ``dst``."""
-    return lambda flat: dst.copy_(flat.view(dst.shape))
+
+    def deliver(flat: torch.Tensor) -> None:
+        dst.copy_(flat.view(dst.shape))
+
+    deliver.targets = [dst]  # what a later collective must not read before this one is delivered
+    return deliver
 
 
 def _into_each(dsts: list[torch.Tensor]) -> Callable[[torch.Tensor], None]:
@@ -141,12 +189,15 @@ def _into_each(dsts: list[torch.Tensor]) -> Callable[[torch.Tensor], None]:
             d.copy_(flat[at : at + d.numel()].view(d.shape))
             at += d.numel()
 
+    deliver.targets = dsts
     return deliver
 
 
-#: --inject faults for this process, and whether its default group exists yet (faults count its seqs).
-_FAULTS = [f for f in faults.parse_env(os.environ.get(faults.ENV, "")) if f.rank == int(os.environ.get("RANK", "0"))]
-_default_taken = False
+#: --inject faults of the whole run, and those of this process: chosen by the default group's rank
+#: when it is created (not $RANK: mp.spawn children all inherit their parent's); they count its seqs.
+_PLANNED = faults.parse_env(os.environ.get(faults.ENV, ""))
+_FAULTS: list[faults.Fault] = []
+_faults_chosen = False
 
 
 def _inject(seq: int) -> bool:
@@ -168,8 +219,124 @@ def _inject(seq: int) -> bool:
     return False
 
 
-#: One collective in flight per process (see ``MirageProcessGroup._run``).
+#: Posting and completing collectives, from any thread of the process.
 _COLLECTIVE_LOCK = threading.Lock()
+
+
+class _Pending:
+    """A collective posted to the daemon whose output is not delivered yet."""
+
+    def __init__(self, pg, request: s.Collective, req: int, slot: int, staged, out_view,
+                 deliver, device: int, posted_at: float):
+        self.pg, self.request, self.req, self.slot = pg, request, req, slot
+        self.staged, self.out_view, self.deliver, self.device = staged, out_view, deliver, device
+        self.posted_at = posted_at
+        self.targets = getattr(deliver, "targets", [])
+        self.done = False
+
+
+#: Posted collectives of this process, oldest first. They complete strictly in this order, as
+#: kernels on one stream do: a later collective's output never lands before an earlier one's.
+_PENDING: deque[_Pending] = deque()
+#: Staging buffers for collectives in flight together. Slot 0 is the client's arena (used
+#: when nothing else is in flight, i.e. always for synchronous calls); slots 1.. are grown on
+#: demand, named ``...-s<slot>-g<generation>`` so that the daemon drops a slot's old mapping.
+_SLOTS: dict[int, Arena] = {}
+_SLOT_GENERATION = itertools.count(1)
+_busy_slots: set[int] = set()
+
+
+def _slot_arena(client: cl.DaemonClient, slot: int, nbytes: int) -> Arena:
+    if slot == 0:
+        return client.arena(nbytes)
+    arena = _SLOTS.get(slot)
+    if arena is None or arena.size < nbytes:
+        if arena is not None:
+            arena.close()
+            arena.unlink()
+        tag = f"{client.tag}-s{slot}-g{next(_SLOT_GENERATION)}"
+        arena = _SLOTS[slot] = Arena.create(arena_name(client.session, tag), max(nbytes, 1 << 20))
+    return arena
+
+
+@atexit.register
+def _unlink_slots() -> None:
+    for arena in _SLOTS.values():
+        arena.unlink()
+
+
+def _storages(tensors) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tensors if t.numel()}
+
+
+def _complete_through(last: _Pending) -> None:
+    """Deliver every posted collective up to and including ``last``, in order (lock held)."""
+    while not last.done:
+        _complete(_PENDING[0])
+
+
+def _complete(p: _Pending) -> None:
+    """Wait for the daemon's answer to ``p`` and copy its output out (lock held; ``p`` is the oldest)."""
+    pg = p.pg
+    try:
+        left = pg._timeout.total_seconds() - (time.monotonic() - p.posted_at)
+        try:
+            reply = pg._client.wait(p.req, timeout_s=max(left, 0.001))
+        except TimeoutError:
+            raise pg._watchdog_timeout(p.request, time.monotonic() - p.posted_at) from None
+        if isinstance(reply, s.Error):
+            raise _nccl_error(reply.code, reply.message, p.device)
+        if isinstance(reply, s.Done) and reply.devices and nccl_debug.enabled():
+            nccl_debug.print_init(pg._comm, pg._rank, reply.devices, reply.hosts)
+        if p.deliver is not None:
+            p.deliver(p.staged if p.out_view is None else p.out_view)
+    finally:
+        _PENDING.popleft()
+        _busy_slots.discard(p.slot)
+        p.done = True
+        p.staged = p.out_view = p.deliver = p.targets = None
+
+
+class _CollectiveWork(dist.Work):
+    """The ``Work`` of a collective call: done once every collective it posted has been delivered.
+
+    ``get_future()`` completes the work first and hands back a completed future,
+    so ``then()`` callbacks run at once in the caller's thread — as ``CUDAFuture``
+    runs them — and a hook's nested collectives keep the same order on every rank.
+    """
+
+    def __init__(self, result, last: _Pending | None):
+        super().__init__()
+        self._result, self._last = result, last
+
+    def wait(self, timeout=None) -> bool:
+        if self._last is not None and not self._last.done:
+            with _COLLECTIVE_LOCK:
+                _complete_through(self._last)
+        return True
+
+    def is_completed(self) -> bool:
+        last = self._last
+        if last is None or last.done:
+            return True
+        with _COLLECTIVE_LOCK:
+            if last.done:
+                return True
+            upto = list(itertools.takewhile(lambda p: p is not last, _PENDING)) + [last]
+            if not all(p.pg._client.poll(p.req) for p in upto):
+                return False
+            _complete_through(last)  # answered: copying out does not block
+        return True
+
+    def get_future(self):
+        self.wait()
+        fut = Future()
+        fut.set_result(self._result)
+        return fut
+
+    def result(self):
+        self.wait()
+        return self._result
 
 
 class MirageProcessGroup(dist.ProcessGroup):
@@ -185,23 +352,31 @@ class MirageProcessGroup(dist.ProcessGroup):
         self._group_name = ""
         self._group_desc = ""
         self._in_process = os.environ.get("MIRAGE_IN_PROCESS") == "1"
-        global _default_taken
-        self._is_default, _default_taken = not _default_taken, True
+        # the default group is built before torch records it (and again after destroy_process_group)
+        self._is_default = not dist.is_initialized()
+        global _faults_chosen
+        if self._is_default and not _faults_chosen:  # once: a fault acted out stays done after a re-init
+            _faults_chosen = True
+            _FAULTS.extend(f for f in _PLANNED if f.rank == rank)
         if self._in_process:
             if size > 1:
                 raise dist.DistBackendError(IN_PROCESS_MESSAGE)
             return
-        # rank 0 mints the communicator id, as NCCL's ncclUniqueId travels through the store
+        # rank 0 mints the communicator id, as NCCL's ncclUniqueId travels through the store. A
+        # store prefix can serve several groups (the same ranks split twice, init after destroy):
+        # each rank's k-th group under it reads the k-th id.
+        key = f"mirage_comm_id/{store.add(f'mirage_comm_count/{rank}', 1)}"
         if rank == 0:
-            store.set("mirage_comm_id", uuid.uuid4().hex)
-        self._comm = store.get("mirage_comm_id").decode()
+            store.set(key, uuid.uuid4().hex)
+        self._comm = store.get(key).decode()
         self._client = cl.client()
         reply = self._client.request(
             s.CommInit(
                 comm=self._comm,
                 rank=rank,
                 size=size,
-                global_rank=int(os.environ.get("RANK", "0")),
+                # not $RANK: mp.spawn children all inherit their parent's
+                global_rank=rank if self._is_default else dist.get_rank(),
                 node=int(os.environ.get("MIRAGE_NODE_RANK", "0")),
                 host=os.environ.get("NCCL_HOSTID", socket.gethostname()),
                 transport=_transport(),
@@ -230,36 +405,53 @@ class MirageProcessGroup(dist.ProcessGroup):
     def group_name(self) -> str:
         return self._group_name
 
+    @property
+    def _device_types(self) -> list[torch.device]:
+        # what torch picks object-collective and state-dict broadcast devices from (the C++
+        # group's registered types stay empty for a Python group): cuda, as a real NCCL group
+        return [torch.device("cpu"), torch.device("cuda")] if self._cpu is not None else [torch.device("cuda")]
+
     # -- the engine: one collective, in the arena, through the daemon
     def _run(self, op: s.CollOp, inputs: list[torch.Tensor], out_numel: int, dtype: torch.dtype,
              deliver: Callable[[torch.Tensor], None] | None = None, reduce_op=s.ReduceOp.SUM, root: int = 0,
              device: int | None = None, stage: bool = True, splits: list[int] | None = None,
-             numel: int | None = None) -> None:
-        """Post one collective and hand its flat output to ``deliver``.
+             numel: int | None = None, premul: float | None = None) -> _Pending | None:
+        """Post one collective; its flat output goes to ``deliver`` when its work completes.
 
-        One collective at a time per process: every group stages into the same
-        arena, so staging, waiting and copying out happen under one lock.
+        The inputs are staged (copied) now, so the caller may reuse them; the
+        output is copied out when the work is waited on (or polled complete).
+        Returns the posted collective, or None when there is nothing to wait for.
         """
         if self._is_default and _FAULTS and _inject(self._seq + 1):
-            return  # skipped: this rank's code "never called" it, so its sequence number stays
+            return None  # skipped: this rank's code "never called" it, so its sequence number stays
         staged_numel = sum(t.numel() for t in inputs)
         numel = staged_numel if numel is None else numel  # what the daemon matches (scatter: the share)
         device = dev.STATE.current if device is None else device
         if self._in_process:
             if deliver is not None:
-                deliver(torch.cat([t.reshape(-1) for t in inputs]) if inputs else torch.empty(0, dtype=dtype))
-            return
+                flat = torch.cat([t.reshape(-1) for t in inputs]) if inputs else torch.empty(0, dtype=dtype)
+                deliver(flat if premul is None else flat * premul)
+            return None
         esize = dtype.itemsize
         out_off = cl.aligned(staged_numel * esize)
         same = op in (s.CollOp.ALLREDUCE, s.CollOp.BROADCAST)
         with _COLLECTIVE_LOCK:
-            arena = self._client.arena(out_off + (0 if same else out_numel * esize))
+            if _PENDING:  # on a stream a collective reads its inputs after earlier ones wrote their outputs
+                reads = _storages(inputs)
+                for p in reversed(_PENDING):
+                    if _storages(p.targets) & reads:
+                        _complete_through(p)
+                        break
+            slot = 0 if not _PENDING else min(set(range(1, len(_PENDING) + 2)) - _busy_slots)
+            arena = _slot_arena(self._client, slot, out_off + (0 if same else out_numel * esize))
             staged = cl.arena_tensor(arena, 0, staged_numel, dtype)
             if stage:
                 at = 0
                 for t in inputs:
                     staged[at : at + t.numel()].copy_(t.reshape(-1))
                     at += t.numel()
+                if premul is not None:
+                    staged.mul_(premul)
             self._seq += 1
             request = s.Collective(
                 comm=self._comm, seq=self._seq, rank=self._rank, op=op, reduce_op=reduce_op,
@@ -270,17 +462,12 @@ class MirageProcessGroup(dist.ProcessGroup):
                 site=_call_site(),
                 splits=splits or [],
             )
-            started = time.monotonic()
-            try:
-                reply = self._client.request(request, timeout_s=self._timeout.total_seconds())
-            except TimeoutError:
-                raise self._watchdog_timeout(request, time.monotonic() - started) from None
-            if isinstance(reply, s.Error):
-                raise _nccl_error(reply.code, reply.message, device)
-            if isinstance(reply, s.Done) and reply.devices and nccl_debug.enabled():
-                nccl_debug.print_init(self._comm, self._rank, reply.devices, reply.hosts)
-            if deliver is not None:
-                deliver(staged if same else cl.arena_tensor(arena, out_off, out_numel, dtype))
+            req = self._client.send(request)
+            _busy_slots.add(slot)
+            out_view = None if same else cl.arena_tensor(arena, out_off, out_numel, dtype)
+            pending = _Pending(self, request, req, slot, staged, out_view, deliver, device, time.monotonic())
+            _PENDING.append(pending)
+            return pending
 
     def _watchdog_timeout(self, req: s.Collective, waited_s: float) -> dist.DistBackendError:
         """ProcessGroupNCCL's watchdog message, which is what users grep their logs for."""
@@ -294,16 +481,16 @@ class MirageProcessGroup(dist.ProcessGroup):
         return dist.DistBackendError(text)
 
     def _done(self, result) -> dist.Work:
-        fut = Future()
-        fut.set_result(result)
-        return _create_work_from_future(fut)
+        """The work of the call that just posted its collectives: complete through the newest."""
+        with _COLLECTIVE_LOCK:  # (another thread may be completing them)
+            return _CollectiveWork(result, _PENDING[-1] if _PENDING else None)
 
     @_cpu_via_gloo
     def allreduce(self, tensors, opts=None):
-        op = _reduce_op(opts)
+        red = _reduction(opts)
         for t in tensors:
             elem = _flat(t)
-            self._run(s.CollOp.ALLREDUCE, [elem], elem.numel(), elem.dtype, _into(elem), reduce_op=op, device=t._gpu)
+            self._run(s.CollOp.ALLREDUCE, [elem], elem.numel(), elem.dtype, _into(elem), device=_gpu(t), **red)
         return self._done(tensors)
 
     @_cpu_via_gloo
@@ -313,7 +500,7 @@ class MirageProcessGroup(dist.ProcessGroup):
             elem = _flat(t)
             mine = self._rank == root
             self._run(s.CollOp.BROADCAST, [elem], elem.numel(), elem.dtype, None if mine else _into(elem),
-                      root=root, device=t._gpu, stage=mine)
+                      root=root, device=_gpu(t), stage=mine)
         return self._done(tensors)
 
     @_cpu_via_gloo
@@ -326,23 +513,23 @@ class MirageProcessGroup(dist.ProcessGroup):
                 for k, o in enumerate(outs):
                     buf = elem if k == self._rank else _flat(o)
                     self._run(s.CollOp.BROADCAST, [buf], buf.numel(), buf.dtype, _into(_flat(o)), root=k,
-                              device=t._gpu, stage=k == self._rank)
+                              device=_gpu(t), stage=k == self._rank)
                 continue
             self._run(s.CollOp.ALLGATHER, [elem], n * self._size, elem.dtype, _into_each([_flat(o) for o in outs]),
-                      device=t._gpu)
+                      device=_gpu(t))
         return self._done(output_lists)
 
     @_cpu_via_gloo
     def _allgather_base(self, output, input, opts=None):
         elem = _flat(input)
-        self._run(s.CollOp.ALLGATHER, [elem], output.numel(), elem.dtype, _into(_flat(output)), device=input._gpu)
+        self._run(s.CollOp.ALLGATHER, [elem], output.numel(), elem.dtype, _into(_flat(output)), device=_gpu(input))
         return self._done([output])
 
     @_cpu_via_gloo
     def _reduce_scatter_base(self, output, input, opts=None):
         elem = _flat(input)
         self._run(s.CollOp.REDUCE_SCATTER, [elem], output.numel(), elem.dtype, _into(_flat(output)),
-                  reduce_op=_reduce_op(opts), device=input._gpu)
+                  device=_gpu(input), **_reduction(opts))
         return self._done([output])
 
     @_cpu_via_gloo
@@ -353,7 +540,7 @@ class MirageProcessGroup(dist.ProcessGroup):
             mine = self._rank == root
             # NCCL leaves non-root buffers as they were: only the root receives
             self._run(s.CollOp.REDUCE, [elem], elem.numel() if mine else 0, elem.dtype,
-                      _into(elem) if mine else None, reduce_op=_reduce_op(opts), root=root, device=t._gpu)
+                      _into(elem) if mine else None, root=root, device=_gpu(t), **_reduction(opts))
         return self._done(tensors)
 
     @_cpu_via_gloo
@@ -365,7 +552,7 @@ class MirageProcessGroup(dist.ProcessGroup):
             raise ValueError("Tensor list output of gather must match number of collective participants "
                              "and each tensor the input's size")
         self._run(s.CollOp.GATHER, [elem], elem.numel() * self._size if outs else 0, elem.dtype,
-                  _into_each(outs) if outs else None, root=root, device=inputs[0]._gpu)
+                  _into_each(outs) if outs else None, root=root, device=_gpu(inputs[0]))
         return self._done(output_lists)
 
     @_cpu_via_gloo
@@ -378,22 +565,22 @@ class MirageProcessGroup(dist.ProcessGroup):
                              "and each tensor the output's size")
         # numel is the per-rank share, the same on every rank; only the root stages its list
         self._run(s.CollOp.SCATTER, sources, out.numel(), out.dtype, _into(out), root=root,
-                  device=outputs[0]._gpu, stage=bool(sources), numel=out.numel())
+                  device=_gpu(outputs[0]), stage=bool(sources), numel=out.numel())
         return self._done(outputs)
 
     @_cpu_via_gloo
     def reduce_scatter(self, outputs, input_lists, opts=None):
         out = _flat(outputs[0])
         parts = [_flat(t) for t in input_lists[0]]
-        op = _reduce_op(opts)
+        red = _reduction(opts)
         if any(p.numel() != out.numel() for p in parts):
             # uneven parts: one reduce per destination rank, as ProcessGroupNCCL does
             for k, part in enumerate(parts):
                 self._run(s.CollOp.REDUCE, [part], part.numel() if k == self._rank else 0, part.dtype,
-                          _into(out) if k == self._rank else None, reduce_op=op, root=k, device=outputs[0]._gpu)
+                          _into(out) if k == self._rank else None, root=k, device=_gpu(outputs[0]), **red)
             return self._done(outputs)
-        self._run(s.CollOp.REDUCE_SCATTER, parts, out.numel(), out.dtype, _into(out), reduce_op=op,
-                  device=outputs[0]._gpu)
+        self._run(s.CollOp.REDUCE_SCATTER, parts, out.numel(), out.dtype, _into(out), device=_gpu(outputs[0]),
+                  **red)
         return self._done(outputs)
 
     @_cpu_via_gloo
@@ -408,7 +595,7 @@ class MirageProcessGroup(dist.ProcessGroup):
         # torch counts splits in rows of dim 0; the daemon in elements
         row = src[0].numel() if src.dim() > 0 and src.size(0) else 1
         splits = [n * row for n in input_split_sizes] if input_split_sizes else [src.numel() // self._size] * self._size
-        self._run(s.CollOp.ALLTOALL, [src], dst.numel(), src.dtype, _into(dst), device=input._gpu, splits=splits)
+        self._run(s.CollOp.ALLTOALL, [src], dst.numel(), src.dtype, _into(dst), device=_gpu(input), splits=splits)
         return self._done([output])
 
     all_to_all_single = alltoall_base
@@ -418,7 +605,7 @@ class MirageProcessGroup(dist.ProcessGroup):
         srcs = [_flat(t) for t in inputs]
         outs = [_flat(t) for t in outputs]
         self._run(s.CollOp.ALLTOALL, srcs, sum(o.numel() for o in outs), srcs[0].dtype, _into_each(outs),
-                  device=inputs[0]._gpu, splits=[t.numel() for t in srcs])
+                  device=_gpu(inputs[0]), splits=[t.numel() for t in srcs])
         return self._done(outputs)
 
     @_cpu_via_gloo
@@ -426,8 +613,26 @@ class MirageProcessGroup(dist.ProcessGroup):
         # one flat all-reduce over the concatenation, as NCCL's grouped calls amount to
         elems = [_flat(t) for t in tensors]
         self._run(s.CollOp.ALLREDUCE, elems, sum(e.numel() for e in elems), elems[0].dtype, _into_each(elems),
-                  reduce_op=_reduce_op(opts), device=tensors[0]._gpu)
+                  device=_gpu(tensors[0]), **_reduction(opts))
         return self._done(tensors)
+
+    # the coalesced tensor forms (functional collectives, DTensor, FSDP2): one collective per pair,
+    # in order, as NCCL's grouped calls amount to
+    @_cpu_via_gloo
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        for out, inp in zip(outputs, inputs):
+            elem = _flat(inp)
+            self._run(s.CollOp.ALLGATHER, [elem], out.numel(), elem.dtype, _into(_flat(out)), device=_gpu(inp))
+        return self._done(outputs)
+
+    @_cpu_via_gloo
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        red = _reduction(opts)
+        for out, inp in zip(outputs, inputs):
+            elem = _flat(inp)
+            self._run(s.CollOp.REDUCE_SCATTER, [elem], out.numel(), elem.dtype, _into(_flat(out)),
+                      device=_gpu(inp), **red)
+        return self._done(outputs)
 
     # -- point to point: asynchronous, each message in a shared-memory buffer of its own
     def _p2p(self, op: s.CollOp, tensor: torch.Tensor, peer: int) -> _P2PWork:
@@ -443,13 +648,13 @@ class MirageProcessGroup(dist.ProcessGroup):
         req = self._client.send(
             s.Collective(
                 comm=self._comm, seq=n, rank=self._rank, op=op, dtype=str(elem.dtype).removeprefix("torch."),
-                numel=elem.numel(), out_numel=elem.numel(), device=dev.STATE.physical[tensor._gpu], arena=arena.name,
+                numel=elem.numel(), out_numel=elem.numel(), device=dev.STATE.physical[_gpu(tensor)], arena=arena.name,
                 peer=peer,
                 site=_call_site(),
             )
         )
         deliver = None if op is s.CollOp.SEND else _into(elem)
-        return _P2PWork(self, req, arena, buf, deliver, tensor._gpu, [tensor])
+        return _P2PWork(self, req, arena, buf, deliver, _gpu(tensor), [tensor])
 
     def send(self, tensors, dstRank, tag=0):
         return self._p2p(s.CollOp.SEND, tensors[0], dstRank)
@@ -524,6 +729,63 @@ def _to_mirage(backend) -> str | None:
     return NAME if "nccl" in text else backend
 
 
+def _split_group(split_group):
+    """``dist.split_group`` for our groups: each split becomes a group of its members.
+
+    torch splits through the C++ backend (``ncclCommSplit``); ours is a Python
+    group, so the split is made as ``new_group`` over the member ranks, which
+    only those members enter, as only they enter ``ncclCommSplit``'s child.
+    """
+
+    @functools.wraps(split_group)
+    def split(parent_pg=None, split_ranks=None, timeout=None, pg_options=None, group_desc=None, backend=None):
+        parent = parent_pg or c10d._get_default_group()
+        if dist.get_backend(parent) != "nccl":  # a CPU build has no other nccl than ours
+            return split_group(parent_pg, split_ranks, timeout, pg_options, group_desc, backend)
+        if not split_ranks:
+            raise ValueError("split_ranks cannot be None or empty")
+        me = parent.rank()
+        to_global = dist.get_process_group_ranks(parent)
+        mine = None
+        for ranks in split_ranks:
+            if not ranks:
+                raise ValueError("the split group cannot be empty")
+            if len(ranks) > dist.get_world_size():
+                raise ValueError("the split group's size should be less or equal to the world_size set by "
+                                 "init_process_group")
+            if len(ranks) != len(set(ranks)):
+                raise ValueError("the split group cannot have duplicate ranks")
+            if me in ranks:
+                mine = sorted(ranks)
+        if mine is None:
+            return None
+        return dist.new_group([to_global[r] for r in mine], timeout=timeout, backend=backend, pg_options=pg_options,
+                              use_local_synchronization=True, group_desc=group_desc)
+
+    return split
+
+
+UNUSED_PARAMETERS_MESSAGE = (
+    "mirage: DistributedDataParallel({arg}=True) is not supported on emulated GPUs yet: DDP's reducer "
+    "exchanges its map of used parameters through pinned host memory, which torch lets a device "
+    "provide only from C++. Make every parameter take part in the loss and drop {arg}, or use "
+    "fully_shard (FSDP2). See docs/compatibility.md."
+)
+
+
+def _refuse_unused_parameters(init):
+    """``DistributedDataParallel.__init__`` refusing, by name, what would abort at the first backward."""
+
+    @functools.wraps(init)
+    def checked(self, module, *args, **kwargs):
+        for arg in ("find_unused_parameters", "static_graph"):
+            if kwargs.get(arg) and any(isinstance(p, MirageTensor) for p in module.parameters()):
+                raise NotImplementedError(UNUSED_PARAMETERS_MESSAGE.format(arg=arg))
+        return init(self, module, *args, **kwargs)
+
+    return checked
+
+
 def install() -> None:
     """Register the backend and route ``"nccl"`` to it, keeping the name ``"nccl"`` visible."""
     dist.Backend.register_backend(NAME, _create, devices=["cuda", NAME])
@@ -542,9 +804,18 @@ def install() -> None:
     def register_pg_in_world(pg, *args, backend_name=None, backend_config=None, **kwargs):
         if str(backend_name) in (NAME, NAME_WITH_GLOO):
             backend_name = asked.pop()
-            backend_config = backend_config.replace(NAME_WITH_GLOO, "nccl").replace(NAME, "nccl")
+            # "cuda:mirage,mirage:mirage" reads "cuda:nccl" (our device is an implementation detail),
+            # a mixed group "cpu:gloo,cuda:nccl"
+            backend_config = ",".join(
+                f"{device}:{('gloo' if device == 'cpu' else 'nccl') if be in (NAME, NAME_WITH_GLOO) else be}"
+                for device, be in (entry.split(":", 1) for entry in backend_config.split(","))
+                if device != NAME
+            )
         return register(pg, *args, backend_name=backend_name, backend_config=backend_config, **kwargs)
 
+    c10d.split_group = dist.split_group = _split_group(c10d.split_group)
+    ddp = torch.nn.parallel.DistributedDataParallel
+    ddp.__init__ = _refuse_unused_parameters(ddp.__init__)
     c10d._new_process_group_helper = new_process_group_helper
     c10d._register_pg_in_world = register_pg_in_world
     c10d._NCCL_AVAILABLE = True

@@ -9,12 +9,30 @@ import threading
 import time
 
 import torch
+import torch.distributed as dist
 import zmq
 
 from emulator import schema as s
 from emulator.arena import Arena, arena_name
 
 _ALIGN = 64
+#: How often a rank waiting for a reply checks that the daemon still runs.
+DAEMON_CHECK_S = 0.25
+
+
+class DaemonGone(dist.DistBackendError):
+    """The daemon exited: no reply will ever come (raised instead of waiting out the timeout)."""
+
+
+def _pid_gone(pid: int) -> bool:
+    """True once ``pid`` has exited (a zombie counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError):
+        return False
 
 
 class DaemonClient:
@@ -25,8 +43,9 @@ class DaemonClient:
     in ``_stash`` for its owner.
     """
 
-    def __init__(self, endpoint: str, token: str, session: str, tag: str):
+    def __init__(self, endpoint: str, token: str, session: str, tag: str, daemon_pid: int = 0):
         self.token = token
+        self.daemon_pid = daemon_pid  # 0: unknown, never checked
         self.session = session
         self.tag = tag
         self._ctx = zmq.Context.instance()
@@ -51,7 +70,15 @@ class DaemonClient:
     def wait(self, req: int, timeout_s: float = 60.0) -> s.Reply:
         """The reply to request ``req``, once it comes (TimeoutError after ``timeout_s``)."""
         deadline = time.monotonic() + timeout_s
+        next_check = time.monotonic() + DAEMON_CHECK_S
         while True:
+            if self.daemon_pid and time.monotonic() >= next_check:
+                next_check = time.monotonic() + DAEMON_CHECK_S
+                if _pid_gone(self.daemon_pid):
+                    raise DaemonGone(
+                        f"mirage: the emulator daemon (pid {self.daemon_pid}) is gone, so no collective can complete; "
+                        f"see {os.path.join(os.environ.get('MIRAGE_RUN_DIR', '.'), 'daemon.log')}"
+                    )
             with self._lock:
                 reply = self._stash.pop(req, None)
                 if reply is not None:
@@ -125,5 +152,6 @@ def client() -> DaemonClient:
             os.environ["MIRAGE_TOKEN"],
             os.environ["MIRAGE_SESSION"],
             f"r{rank}-p{os.getpid()}",
+            int(os.environ.get("MIRAGE_DAEMON_PID", "0") or 0),
         )
     return _client

@@ -8,6 +8,8 @@ imported ``torch.cuda`` before or after activation sees the same answers.
 from __future__ import annotations
 
 import contextlib
+import itertools
+import threading
 import time
 import uuid as uuid_mod
 from dataclasses import dataclass
@@ -15,8 +17,12 @@ from dataclasses import dataclass
 import torch
 
 from shim import device as dev
+from shim import rng
+from shim.memory import ALLOCATOR
 
 HIP_VERSION = "6.4.43482-0f2d60242"
+#: MIOpen 3.4 (ROCm 6.4), which ROCm builds report as torch.backends.cudnn.version().
+MIOPEN_VERSION = 3004000
 #: The RCCL release the emulated collectives answer as (torch.cuda.nccl.version()).
 NCCL_VERSION = (2, 22, 3)
 
@@ -75,7 +81,7 @@ def get_device_properties(device=None) -> DeviceProperties:
         major=p.major,
         minor=p.minor,
         gcnArchName=p.gcn_arch_name,
-        total_memory=p.hbm_bytes,
+        total_memory=ALLOCATOR.devices[i].capacity,
         multi_processor_count=p.compute_units,
         warp_size=p.wavefront,
         L2_cache_size=p.l2_cache_bytes,
@@ -87,6 +93,21 @@ def get_device_properties(device=None) -> DeviceProperties:
 
 def set_device(device) -> None:
     dev.STATE.current = _index(device)
+    dev.initialize()
+
+
+def current_device() -> int:
+    dev.initialize()
+    return dev.STATE.current
+
+
+def _run_queued_calls() -> None:
+    # what torch.cuda._lazy_init does once the runtime is up: calls queued before it (seeds, checks)
+    c = torch.cuda
+    c._queued_calls.extend(calls for calls in c._lazy_seed_tracker.get_calls() if calls)
+    calls, c._queued_calls[:] = list(c._queued_calls), []
+    for queued_call, _ in calls:
+        queued_call()
 
 
 class device:  # noqa: N801 - torch's name
@@ -107,11 +128,27 @@ class device:  # noqa: N801 - torch's name
 
 
 class Stream:
-    """Kernels run eagerly on the CPU, so every stream is always idle."""
+    """A stream of emulated GPU ``device``. Kernels run eagerly on the CPU, so every stream is always idle.
+
+    Streams are still distinct objects with their own ids and priorities, and
+    each thread has a current stream per device, so code that compares,
+    switches or synchronises streams (FSDP2's all-gather and reduce-scatter
+    streams, for instance) behaves as on a GPU.
+    """
+
+    _ids = itertools.count(1)
 
     def __init__(self, device=None, priority=0, **kwargs):
         self.device = torch.device("cuda", _index(device))
-        self.priority = priority
+        self.device_index = self.device.index
+        self.device_type = "cuda"
+        self.priority = max(-1, min(0, int(priority)))  # ROCm's range is (0, -1), as CUDA's
+        self.stream_id = next(Stream._ids)
+        self.cuda_stream = 0x1000 * self.stream_id  # an opaque handle, unique per stream
+
+    @staticmethod
+    def priority_range() -> tuple[int, int]:
+        return 0, -1
 
     def wait_stream(self, stream) -> None:
         pass
@@ -130,11 +167,27 @@ class Stream:
     def synchronize(self) -> None:
         pass
 
-    def __eq__(self, other) -> bool:
-        return isinstance(other, Stream) and other.device == self.device
+    def is_capturing(self) -> bool:
+        return False  # no CUDA/HIP graphs here
 
-    def __hash__(self) -> int:
-        return hash(self.device)
+    def __enter__(self):
+        self._context = stream(self)
+        return self._context.__enter__()
+
+    def __exit__(self, *exc):
+        return self._context.__exit__(*exc)
+
+    def __repr__(self) -> str:
+        return f"<torch.cuda.Stream device={self.device} cuda_stream={self.cuda_stream:#x}>"
+
+
+class _DefaultStream(Stream):
+    """The null stream of a device (``cuda_stream`` 0), what ``default_stream`` returns."""
+
+    def __init__(self, device):
+        super().__init__(device)
+        self.stream_id = 0
+        self.cuda_stream = 0
 
 
 class Event:
@@ -142,6 +195,8 @@ class Event:
 
     def __init__(self, enable_timing=False, blocking=False, interprocess=False):
         self.enable_timing = enable_timing
+        self.blocking = blocking
+        self.interprocess = interprocess
         self._t: float | None = None
 
     def record(self, stream=None) -> None:
@@ -163,20 +218,90 @@ class Event:
             raise RuntimeError("Both events must be recorded before calculating elapsed time.")
         return (end._t - self._t) * 1000.0
 
+    def __repr__(self) -> str:
+        return f"<torch.cuda.Event {id(self):#x}>"
+
 
 _default_streams: dict[int, Stream] = {}
+_current = threading.local()  # as in CUDA, the current stream is per thread (and per device)
+
+
+def default_stream(device=None) -> Stream:
+    i = _index(device)
+    if i not in _default_streams:
+        _default_streams[i] = _DefaultStream(i)
+    return _default_streams[i]
 
 
 def current_stream(device=None) -> Stream:
     i = _index(device)
-    if i not in _default_streams:
-        _default_streams[i] = Stream(i)
-    return _default_streams[i]
+    current = getattr(_current, "streams", {})
+    return current.get(i) or default_stream(i)
 
 
-def _seed_all(seed: int) -> None:
-    # emulated kernels draw from the CPU generator, so that is the one to seed
-    torch.default_generator.manual_seed(int(seed))
+def set_stream(s: Stream | None) -> None:
+    """Make ``s`` the current stream of its device (for this thread)."""
+    if s is None:
+        return
+    if not hasattr(_current, "streams"):
+        _current.streams = {}
+    _current.streams[s.device.index] = s
+
+
+class stream(contextlib.AbstractContextManager):  # noqa: N801 - torch's name
+    """``with torch.cuda.stream(s):`` makes ``s`` current (and its device) for the block."""
+
+    def __init__(self, s: Stream | None):
+        self.stream = s
+        self._prev: tuple[Stream, int] | None = None
+
+    def __enter__(self):
+        if self.stream is not None:
+            self._prev = (current_stream(self.stream.device), dev.STATE.current)
+            dev.STATE.current = self.stream.device.index
+            set_stream(self.stream)
+        return self.stream
+
+    def __exit__(self, *exc):
+        if self._prev is not None:
+            set_stream(self._prev[0])
+            dev.STATE.current = self._prev[1]
+        return False
+
+
+def _set_fraction(fraction: float, device: int) -> None:
+    ALLOCATOR.devices[_index(device)].fraction = fraction
+
+
+def _install_memory() -> None:
+    """Answer torch.cuda.memory_* (and torch.accelerator's) from the allocator model.
+
+    torch's own functions stay (memory_summary formats what memory_stats returns);
+    only the C entry points a CPU build lacks are provided.
+    """
+    C = torch._C
+    stats = lambda d=None: ALLOCATOR.stats(_index(d))  # noqa: E731
+    entry_points = {
+        "_cuda_memoryStats": stats,
+        "_cuda_resetPeakMemoryStats": lambda d=None: ALLOCATOR.reset_peak(_index(d)),
+        "_cuda_resetAccumulatedMemoryStats": lambda d=None: ALLOCATOR.reset_accumulated(_index(d)),
+        "_cuda_emptyCache": ALLOCATOR.empty_cache,
+        "_cuda_setMemoryFraction": _set_fraction,
+        "_cuda_getMemoryFraction": lambda d=None: ALLOCATOR.devices[_index(d)].fraction,
+        "_accelerator_isAllocatorInitialized": lambda: True,
+        "_accelerator_getDeviceStats": stats,
+        "_accelerator_resetPeakStats": lambda d=None: ALLOCATOR.reset_peak(_index(d)),
+        "_accelerator_resetAccumulatedStats": lambda d=None: ALLOCATOR.reset_accumulated(_index(d)),
+        "_accelerator_emptyCache": ALLOCATOR.empty_cache,
+        "_accelerator_getMemoryInfo": lambda d=None: ALLOCATOR.mem_get_info(_index(d)),
+    }
+    for name, fn in entry_points.items():
+        setattr(C, name, fn)
+    m = torch.cuda.memory
+    m.is_initialized = lambda: True  # its own binding of torch.cuda.is_initialized
+    m._lazy_init = lambda: None
+    mem_get_info = lambda d=None: ALLOCATOR.mem_get_info(_index(d))  # noqa: E731
+    m.mem_get_info = torch.cuda.mem_get_info = mem_get_info
 
 
 def install() -> None:
@@ -185,11 +310,11 @@ def install() -> None:
     count = dev.STATE.count
     replacements = {
         "is_available": lambda: count > 0,  # CUDA_VISIBLE_DEVICES="" hides every GPU
-        "is_initialized": lambda: True,
-        "init": lambda: None,
-        "_lazy_init": lambda: None,
+        "is_initialized": lambda: dev.STATE.initialized,
+        "init": dev.initialize,
+        "_lazy_init": dev.initialize,
         "device_count": lambda: count,
-        "current_device": lambda: dev.STATE.current,
+        "current_device": current_device,
         "set_device": set_device,
         "device": device,
         "get_device_name": lambda d=None: get_device_properties(d).name,
@@ -201,19 +326,32 @@ def install() -> None:
         "Stream": Stream,
         "Event": Event,
         "current_stream": current_stream,
-        "default_stream": current_stream,
-        "stream": lambda s=None: contextlib.nullcontext(s),
-        "manual_seed": _seed_all,
-        "manual_seed_all": _seed_all,
-        "seed": lambda: torch.seed(),
-        "seed_all": lambda: torch.seed(),
-        "empty_cache": lambda: None,
+        "default_stream": default_stream,
+        "set_stream": set_stream,
+        "stream": stream,
+        "StreamContext": stream,
+        "is_current_stream_capturing": lambda: False,
     }
     for name, fn in replacements.items():
         setattr(c, name, fn)
+    dev.ON_INITIALIZE.append(_run_queued_calls)
+    _install_memory()
+    rng.install()
+    _record_stream = torch.Tensor.record_stream
+
+    def record_stream(self, stream):
+        # torch's parser wants a C++ stream; ours are Python, and kernels run eagerly, so nothing waits
+        if not isinstance(stream, Stream):
+            return _record_stream(self, stream)
+
+    torch.Tensor.record_stream = record_stream
     c.nccl.version = lambda: NCCL_VERSION
     torch.version.hip = HIP_VERSION
     torch.version.cuda = None
+    # a ROCm build is a "CUDA" build whose cuDNN is MIOpen
+    torch.backends.cuda.is_built = lambda: True
+    torch.backends.cudnn.is_available = lambda: True
+    torch.backends.cudnn.version = lambda: MIOPEN_VERSION
 
     acc = torch.accelerator
     for name, fn in {
@@ -223,5 +361,10 @@ def install() -> None:
         "current_device_index": lambda: dev.STATE.current,
         "set_device_index": set_device,
         "synchronize": lambda d=None: None,
+        "current_stream": current_stream,
+        "set_stream": set_stream,
+        "device_index": device,
     }.items():
         setattr(acc, name, fn)
+    # the C entry point Python callers (FSDP2's default mesh, DTensor) read the accelerator from
+    torch._C._get_accelerator = lambda check=False: torch.device("cuda")

@@ -25,6 +25,9 @@ class DeviceState:
     profile: Profile
     physical: list[int]  # visible ordinal -> the node's GPU (after *_VISIBLE_DEVICES)
     current: int = 0
+    # Like CUDA's, the runtime starts on first use (a tensor, set_device, current_device):
+    # DeviceMesh only picks a device from LOCAL_RANK while torch.cuda.is_initialized() is False.
+    initialized: bool = False
 
     @property
     def count(self) -> int:
@@ -59,6 +62,17 @@ def _from_env() -> DeviceState:
 
 
 STATE = _from_env()
+#: run once, on the first use of a GPU (torch.cuda's queued lazy calls, e.g. seeds set before it)
+ON_INITIALIZE: list = []
+
+
+def initialize() -> None:
+    """The process's first use of a GPU: from now on ``torch.cuda.is_initialized()`` is True."""
+    if STATE.initialized:
+        return
+    STATE.initialized = True
+    for hook in ON_INITIALIZE:
+        hook()
 _alloc = threading.local()
 
 

@@ -11,12 +11,16 @@ from __future__ import annotations
 import torch
 from torch.overrides import TorchFunctionMode
 
+from shim import attention, pinned
 from shim import device as dev
 from shim.tensor import BACKEND, BACKEND_DEVICE, MirageTensor
 
 _aten = torch.ops.aten
 _TO = torch.Tensor.to
 _CUDA = torch.Tensor.cuda
+_SDPA = torch.nn.functional.scaled_dot_product_attention
+_PIN_MEMORY = torch.Tensor.pin_memory
+_IS_PINNED = torch.Tensor.is_pinned
 
 
 def _cuda_index(d) -> int | None:
@@ -27,7 +31,11 @@ def _cuda_index(d) -> int | None:
         if not d.startswith(("cuda", BACKEND)):
             return None
         d = torch.device(d)
-    if isinstance(d, torch.device) and d.type in ("cuda", BACKEND):
+    if isinstance(d, torch.device) and d.type == BACKEND:
+        # C++ names every emulated GPU mirage:0 (e.g. torch's grouping of tensors by device in
+        # clip_grad_norm_ and the foreach optimizers): the GPU meant is the current one
+        return dev.STATE.current
+    if isinstance(d, torch.device) and d.type == "cuda":
         return dev.check_index(dev.STATE.current if d.index is None else d.index)
     return None
 
@@ -52,13 +60,25 @@ class CudaMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is _TO:
             parse_kw = {k: v for k, v in kwargs.items() if k != "copy"}
-            device, dtype, _non_blocking, memory_format = torch._C._nn._parse_to(*args[1:], **parse_kw)
+            to_args, copy = args[1:], kwargs.get("copy", False)
+            if len(to_args) >= 3 and isinstance(to_args[-1], bool) and isinstance(to_args[-2], bool):
+                copy, to_args = to_args[-1], to_args[:-1]  # (..., non_blocking, copy) given positionally
+            device, dtype, _non_blocking, memory_format = torch._C._nn._parse_to(*to_args, **parse_kw)
             other = args[1] if len(args) > 1 else kwargs.get("other")
             if isinstance(other, MirageTensor):  # t.to(other): C++ only knows other is on mirage:0
                 device = torch.device("cuda", other._gpu)
             gpu = _cuda_index(device) if device is not None else None
             if gpu is not None:
-                return _move(args[0], gpu, dtype, kwargs.get("copy", False), memory_format)
+                return _move(args[0], gpu, dtype, copy, memory_format)
+            return func(*args, **kwargs)
+        if func is _PIN_MEMORY:
+            return pinned.pin(args[0])
+        if func is _IS_PINNED:
+            return pinned.is_pinned(args[0])
+        if func is _SDPA:
+            out = attention.route(*args, **kwargs)
+            if out is not None:
+                return out
             return func(*args, **kwargs)
         if func is _CUDA:
             d = args[1] if len(args) > 1 else kwargs.get("device")
@@ -68,9 +88,15 @@ class CudaMode(TorchFunctionMode):
         if d is not None:
             gpu = _cuda_index(d)
             if gpu is not None:
-                kwargs = dict(kwargs, device=BACKEND_DEVICE)
                 with dev.allocating_on(gpu):
-                    return func(*args, **kwargs)
+                    try:
+                        return func(*args, **dict(kwargs, device=BACKEND_DEVICE))
+                    except NotImplementedError as e:
+                        if f"from the '{BACKEND}' backend" not in str(e):
+                            raise
+                    # a factory with CPU and CUDA kernels only (tril_indices, triu_indices): build
+                    # it on the host and move it, as its CUDA kernel's result would be there
+                    return _move(func(*args, **dict(kwargs, device="cpu")), gpu, None, False, None)
         return func(*args, **kwargs)
 
 

@@ -10,9 +10,13 @@ which runs it on the CPU tensors inside and wraps the results again.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from shim import device as dev
+from shim import attention, deferred, rng
+from shim.memory import ALLOCATOR
 
 BACKEND = dev.BACKEND  # must be registered before this module is imported
 BACKEND_DEVICE = torch.device(BACKEND, 0)
@@ -30,11 +34,22 @@ _MIXED_OK = {
 }
 
 
+class _CudaStorage(torch.UntypedStorage):
+    """A ``cuda:i`` tensor's storage as Python sees it: the host storage inside, on GPU ``i``."""
+
+    _gpu: int
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return torch.device("cuda", self._gpu)
+
+
 class MirageTensor(torch.Tensor):
     """A tensor on emulated GPU ``_gpu``; its data is the CPU tensor ``_elem``."""
 
     _elem: torch.Tensor
     _gpu: int
+    _mem: int = 0  # the allocator's key for _elem's storage (0: not counted)
 
     @staticmethod
     def __new__(cls, elem: torch.Tensor, gpu: int):
@@ -50,7 +65,13 @@ class MirageTensor(torch.Tensor):
         )
         r._elem = elem
         r._gpu = gpu
+        r._mem = ALLOCATOR.hold(elem, gpu)
         return r
+
+    def __del__(self):
+        # the last wrapper of a storage frees it on its GPU (torch.cuda.memory_allocated drops)
+        if self._mem:
+            ALLOCATOR.release(self._mem)
 
     @property
     def device(self) -> torch.device:  # type: ignore[override]
@@ -73,6 +94,27 @@ class MirageTensor(torch.Tensor):
     def tolist(self):
         return self._elem.tolist()
 
+    def numpy(self, *, force: bool = False):
+        """As on a GPU: a TypeError naming the device, unless ``force`` (which copies to the host)."""
+        if force:
+            return self.cpu().numpy(force=True)
+        raise TypeError(
+            f"can't convert {self.device} device type tensor to numpy. "
+            "Use Tensor.cpu() to copy the tensor to host memory first."
+        )
+
+    def untyped_storage(self) -> torch.UntypedStorage:  # type: ignore[override]
+        """The host storage holding the data, reporting this tensor's device (``cuda:i``), as on a GPU."""
+        s = self._elem.untyped_storage()
+        if type(s) is not _CudaStorage:
+            s.__class__ = _CudaStorage  # torch keeps one Python object per storage: this sticks
+        s._gpu = self._gpu
+        return s
+
+    def data_ptr(self) -> int:  # type: ignore[override]
+        """The data's address (nonzero, shared by views), as code that compares storages expects."""
+        return self._elem.data_ptr()
+
     def __format__(self, spec: str) -> str:
         if self.dim() == 0:
             return self.item().__format__(spec)
@@ -86,22 +128,46 @@ class MirageTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        # Hand-written unwrap/wrap of the argument shapes aten uses (tensors, lists and
-        # tuples of them, devices): every op comes through here, and pytree is ~2x slower.
-        un = _Unwrap(func)
-        uargs = tuple(un(a) for a in args)
-        ukwargs = {k: un(v) for k, v in kwargs.items()} if kwargs else {}
-        gpu = un.gpu
-        if un.cpu_seen is not None and gpu is not None and func not in _MIXED_OK:
-            raise RuntimeError(
-                f"Expected all tensors to be on the same device, but found at least two devices, cuda:{gpu} and cpu!"
-            )
-        target = kwargs.get("device") if kwargs else None
-        if func is _aten._to_copy.default and target is not None and target.type == "cpu":
-            return func(*uargs, **ukwargs)  # leaves the GPU: a plain CPU tensor
-        override = dev.allocation_override()
-        out_gpu = override if override is not None else gpu if gpu is not None else dev.STATE.current
-        return _wrap(func(*uargs, **ukwargs), out_gpu, un.wrappers)
+        try:
+            return _dispatch(func, args, kwargs)
+        except Exception as e:
+            if not deferred.in_backward():
+                raise
+            # On the autograd engine's device thread an exception here aborts the process
+            # (torch's Python device guard calls back into Python while it unwinds), so it
+            # is handed to the thread that called backward() instead: see shim/deferred.py.
+            return deferred.defer(e, func, args, kwargs)
+
+
+def _dispatch(func, args, kwargs):
+    """Run ``func`` on the CPU tensors inside the wrappers and wrap what it returns."""
+    # Hand-written unwrap/wrap of the argument shapes aten uses (tensors, lists and
+    # tuples of them, devices): every op comes through here, and pytree is ~2x slower.
+    un = _Unwrap(func)
+    uargs = tuple(un(a) for a in args)
+    ukwargs = {k: un(v) for k, v in kwargs.items()} if kwargs else {}
+    gpu = un.gpu
+    if un.cpu_seen is not None and gpu is not None and func not in _MIXED_OK:
+        raise RuntimeError(
+            f"Expected all tensors to be on the same device, but found at least two devices, cuda:{gpu} and cpu!"
+        )
+    target = kwargs.get("device") if kwargs else None
+    if func is _aten._to_copy.default and target is not None and target.type == "cpu":
+        return func(*uargs, **ukwargs)  # leaves the GPU: a plain CPU tensor
+    override = dev.allocation_override()
+    out_gpu = override if override is not None else gpu if gpu is not None else dev.STATE.current
+    if func is _aten.native_dropout.default:
+        return _wrap(rng.native_dropout(*uargs, out_gpu), out_gpu, un.wrappers)
+    if func.namespace.startswith("_c10d_functional"):  # DTensor's collectives reach the "nccl" group
+        from shim.backend import functional_collective
+
+        return _wrap(functional_collective(func, uargs, ukwargs, out_gpu), out_gpu, un.wrappers)
+    kernel = attention.CPU_KERNELS.get(func)  # GPU-only ops, computed on the CPU reference path
+    if kernel is not None:
+        return _wrap(kernel(*uargs, **ukwargs), out_gpu, un.wrappers)
+    if rng.GENERATOR_ARG.get(func, 0) != rng.NO_GENERATOR:  # a random op, or one not seen yet
+        uargs, ukwargs = rng.supply_generator(func, uargs, ukwargs, out_gpu)
+    return _wrap(func(*uargs, **ukwargs), out_gpu, un.wrappers)
 
 
 _CPU = torch.device("cpu")
@@ -154,35 +220,79 @@ def _wrap_one(o: torch.Tensor, gpu: int, wrappers: dict[int, MirageTensor]) -> t
     # in-place and out= ops return their argument: hand back the same wrapper
     w = wrappers.get(id(o))
     if w is None:
+        if o.is_conj() or o.is_neg():
+            # The wrapper cannot carry the conjugate/negative bits of a lazy view (conj(),
+            # _neg_view()), and kernels run on the CPU tensor would not see them: materialize
+            # the view (it stops aliasing its base, as resolve_conj() does).
+            o = o.resolve_conj().resolve_neg()
         return MirageTensor(o, gpu)
-    if w.shape != o.shape:
-        # A wrapper's sizes are fixed at creation. Factories fill an empty out tensor
-        # (arange, linspace, ...) and use the returned one: hand back a fresh wrapper.
-        # Resizing a tensor that holds data would leave the caller's reference stale.
-        if w.numel() != 0:
-            raise RuntimeError(
-                f"mirage: resizing a cuda tensor that holds data in place ({w.shape} -> {o.shape}, "
-                "e.g. resize_ or out= of another shape) is not supported yet; allocate the output "
-                "with its final shape"
-            )
-        return MirageTensor(o, gpu)
+    if w.shape != o.shape or w.stride() != o.stride() or w.storage_offset() != o.storage_offset():
+        # resize_, out= of another shape and in-place view ops (t_, squeeze_, as_strided_) changed
+        # the CPU tensor's geometry; the wrapper keeps its own. Copy the new geometry onto the same
+        # Python object (set_data), since callers, and C++ composites such as arange that return
+        # their own out tensor, keep their reference to it.
+        w.data = MirageTensor(o, gpu)
+        ALLOCATOR.moved(w)  # a resize may have re-allocated the storage: the GPU's books follow
     return w
 
 
 def _empty_memory_format(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    if not dev.STATE.initialized:
+        dev.initialize()  # every cuda tensor made from scratch starts in one of these two factories
+    gpu = dev.allocation_device()
+    ALLOCATOR.check(gpu, math.prod(size) * _itemsize(dtype))  # before the host allocates it
     elem = torch.empty(size, dtype=dtype, layout=layout, memory_format=memory_format)
-    return MirageTensor(elem, dev.allocation_device())
+    return MirageTensor(elem, gpu)
 
 
 def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
+    if not dev.STATE.initialized:
+        dev.initialize()
+    gpu = dev.allocation_device()
+    if all(n > 0 for n in size):
+        extent = 1 + sum((n - 1) * st for n, st in zip(size, stride))
+        ALLOCATOR.check(gpu, extent * _itemsize(dtype))
     elem = torch.empty_strided(size, stride, dtype=dtype, layout=layout)
-    return MirageTensor(elem, dev.allocation_device())
+    return MirageTensor(elem, gpu)
+
+
+def _itemsize(dtype) -> int:
+    return (dtype or torch.get_default_dtype()).itemsize
 
 
 def _copy_from(src, dst, non_blocking=False):
     # reached below the Python key: torch.tensor(data, device=...) excludes it while copying
     dst._elem.copy_(src._elem if isinstance(src, MirageTensor) else src)
     return dst
+
+
+def _efficient_zero_tensor(size, dtype=None, layout=None, device=None, pin_memory=None):
+    # autograd's all-zero gradients (sgn's backward, forward-mode formulas): ordinary zeros
+    # stand in for the ZeroTensor, which has no kernels for the backend
+    return MirageTensor(torch.zeros(size, dtype=dtype, layout=layout), dev.allocation_device())
+
+
+def _on_cuda_key(factory):
+    """``factory`` for the CUDA dispatch key, which ``device="cuda:i"`` reaches when the mode is not there.
+
+    The mode is per thread; threads it does not follow (the autograd engine's
+    device thread running backward hooks, user threads) reach C++ with the
+    cuda device itself. The device's index names the emulated GPU.
+    """
+
+    def run(*args, device=None, **kwargs):
+        gpu = dev.STATE.current if device is None or device.index is None else dev.check_index(device.index)
+        with dev.allocating_on(gpu):
+            return factory(*args, device=device, **kwargs)
+
+    return run
+
+
+def _pin_memory(self, device=None):
+    # Reached where the mode is not (a DataLoader's pin-memory thread; shim/pinned.py answers
+    # elsewhere): torch takes a pinned allocator for PrivateUse1 only from C++, so the pinned
+    # copy is an ordinary host copy, and is_pinned() stays False for it.
+    return self.clone(memory_format=torch.contiguous_format)
 
 
 _lib: torch.library.Library | None = None
@@ -195,3 +305,7 @@ def register_factories() -> None:
     _lib.impl("empty.memory_format", _empty_memory_format, "PrivateUse1")
     _lib.impl("empty_strided", _empty_strided, "PrivateUse1")
     _lib.impl("_copy_from", _copy_from, "PrivateUse1")
+    _lib.impl("_efficientzerotensor", _efficient_zero_tensor, "PrivateUse1")
+    _lib.impl("_pin_memory", _pin_memory, "CPU")  # DataLoader(pin_memory=True), also in its pin thread
+    _lib.impl("empty.memory_format", _on_cuda_key(_empty_memory_format), "CUDA")
+    _lib.impl("empty_strided", _on_cuda_key(_empty_strided), "CUDA")

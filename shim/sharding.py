@@ -1,0 +1,86 @@
+"""FSDP2 and DTensor on emulated GPUs: the two places they look below the Python tensor.
+
+- FSDP2 frees an unsharded parameter between uses by resizing its storage to
+  zero bytes and back (``free_storage`` / ``alloc_storage`` in
+  ``torch.distributed.fsdp._fully_shard._fsdp_param``). A ``MirageTensor`` is a
+  wrapper without storage of its own, so the resize is applied to the CPU
+  tensor it wraps: the host memory really is released and re-allocated.
+- A ``DTensor``'s ``device`` is its C++ device, which for an emulated GPU is
+  the one backend device ``mirage:0``; it answers its local tensor's device
+  (``cuda:i``) instead, as on a GPU, which FSDP2 checks when it shards DTensors
+  (2-D meshes: ``Expects DTensor to be moved to cuda``).
+
+Each module is patched when it is first imported (FSDP2 costs half a second
+to import, which a rank that never uses it should not pay).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.util
+import sys
+
+from shim.memory import ALLOCATOR
+from shim.tensor import MirageTensor
+
+
+def _on_host(resize):
+    @functools.wraps(resize)
+    def wrapped(tensor):
+        if not isinstance(tensor, MirageTensor):
+            return resize(tensor)
+        result = resize(tensor._elem)
+        ALLOCATOR.moved(tensor)  # the GPU's books follow: freed at size 0, counted again when re-allocated
+        return result
+
+    return wrapped
+
+
+def _patch_fsdp_param(module) -> None:
+    module.alloc_storage = _on_host(module.alloc_storage)
+    module.free_storage = _on_host(module.free_storage)
+
+
+def _patch_dtensor(module) -> None:
+    module.DTensor.device = property(lambda self: self._local_tensor.device, doc="The local tensor's device.")
+
+
+_PATCHES = {
+    "torch.distributed.fsdp._fully_shard._fsdp_param": _patch_fsdp_param,
+    "torch.distributed.tensor._api": _patch_dtensor,
+}
+
+
+class _PatchAfterImport(importlib.abc.MetaPathFinder):
+    """Patches a module right after it executes, before anything imports names from it."""
+
+    _busy = False
+
+    def find_spec(self, name, path, target=None):
+        patch = _PATCHES.get(name)
+        if patch is None or self._busy:
+            return None
+        self._busy = True  # the lookup below comes back here: let the real finders answer it
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self._busy = False
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_patch(module):
+            exec_module(module)
+            patch(module)
+
+        spec.loader.exec_module = exec_then_patch
+        return spec
+
+
+def install() -> None:
+    """Patch the modules already imported now, the others when they are."""
+    for name, patch in _PATCHES.items():
+        if name in sys.modules:
+            patch(sys.modules[name])
+    sys.meta_path.insert(0, _PatchAfterImport())

@@ -1,0 +1,103 @@
+"""The emulated GPUs as a program sees them (issue 3): one real rank process per test, no mocks.
+
+The checks themselves live in ``tests/fixtures/ml/device_surface.py`` so the
+same program can be run by hand under ``mirage run``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.test_run import FIXTURES, events, mirage_run, run_dir
+
+pytestmark = pytest.mark.usefixtures("no_orphans")
+
+
+def test_device_surface_memory_rng_streams_autocast_sdpa(tmp_path):
+    r = mirage_run(tmp_path, "--in-process", "--gpus-per-node", "2", "--hbm", "256MiB", "--",
+                   "python", str(FIXTURES / "device_surface.py"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "[0] device_surface_ok" in r.stdout.splitlines()
+
+
+def test_out_of_memory_is_torchs_error_with_the_allocators_message(tmp_path):
+    program = ("import torch\n"
+               "x = torch.empty(48 << 20, dtype=torch.uint8, device='cuda')\n"
+               "y = torch.empty(32 << 20, dtype=torch.uint8, device='cuda')\n")
+    r = mirage_run(tmp_path, "--in-process", "--hbm", "64MiB", "--", "python", "-c", program)
+    assert r.returncode == 1
+    assert ("[0] torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 32.00 MiB. GPU 0 has a total "
+            "capacity of 64.00 MiB of which 16.00 MiB is free.") in r.stderr, r.stderr[-2000:]
+
+
+def test_ranks_report_gpu_memory_to_the_daemon(tmp_path):
+    r = mirage_run(tmp_path, "--gpus-per-node", "2", "--hbm", "1GiB", "--", "torchrun", "--standalone",
+                   "--nproc_per_node=2", str(FIXTURES / "ddp_mlp.py"), steps=5)
+    assert r.returncode == 0, r.stderr[-3000:]
+    usage = [e for e in events(tmp_path) if e["type"] == "memory_usage"]
+    assert {(e["rank"], e["device"]) for e in usage} == {(0, 0), (1, 1)}
+    # --hbm reaches every rank through torchrun
+    assert all(0 < e["allocated"] <= e["peak"] and e["total"] == 1 << 30 for e in usage), usage
+    report = json.loads((run_dir(tmp_path) / "report.json").read_text())
+    assert set(report["gpu_memory"]) == {"0", "1"}
+
+
+# ---------------------------------------------------------------- the allocator model, in process
+
+def test_allocator_counts_storages_once_and_caches_segments():
+    import torch
+
+    from shim.memory import SEGMENT, Allocator
+
+    alloc = Allocator(capacity=64 << 20, count=2)
+    t = torch.empty(1000, dtype=torch.float32)  # 4000 B -> 4096 B in 512 B blocks
+    k1 = alloc.hold(t, 0)
+    k2 = alloc.hold(t[10:], 0)  # a view of the same storage
+    d = alloc.devices[0]
+    assert k1 == k2 and d.allocated == 4096 and sum(d.count) == 1
+    assert d.reserved_total == SEGMENT and alloc.devices[1].allocated == 0
+    alloc.release(k1)
+    alloc.sync()
+    assert d.allocated == 4096  # the view still holds it
+    alloc.release(k2)
+    alloc.sync()
+    assert d.allocated == 0 and d.reserved_total == SEGMENT  # freed, but the segment stays cached
+    alloc.empty_cache()
+    assert d.reserved_total == 0
+    stats = d.nested()
+    assert stats["allocated_bytes"]["all"] == {"current": 0, "peak": 4096, "allocated": 4096, "freed": 4096}
+    alloc.reset_peak(0)
+    assert d.nested()["allocated_bytes"]["all"]["peak"] == 0
+
+
+def test_allocator_refuses_what_does_not_fit_with_torchs_message():
+    import torch
+
+    from shim.memory import Allocator, format_size
+
+    alloc = Allocator(capacity=10 << 20, count=1)
+    keep = torch.empty(6 << 20, dtype=torch.uint8)
+    alloc.hold(keep, 0)
+    with pytest.raises(torch.cuda.OutOfMemoryError, match=r"^CUDA out of memory\. Tried to allocate 5\.00 MiB\. "
+                       r"GPU 0 has a total capacity of 10\.00 MiB of which 4\.00 MiB is free\."):
+        alloc.check(0, 5 << 20)
+    assert alloc.devices[0].num_ooms == 1
+    assert (format_size(1024), format_size(1536), format_size(3 << 30)) == ("1024 bytes", "1.50 KiB", "3.00 GiB")
+
+
+@pytest.mark.parametrize("text, size", [("8GiB", 8 << 30), ("512MiB", 512 << 20), ("80GB", 80 * 10**9),
+                                        ("1.5G", 3 << 29), ("4096", 4096)])
+def test_hbm_sizes(text, size):
+    from mirage_tui.topology import parse_size
+
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["3parsecs", "0", "-1GiB", "GiB", ""])
+def test_bad_hbm_sizes_are_usage_errors(text):
+    from mirage_tui.topology import UsageError, parse_size
+
+    with pytest.raises(UsageError, match="--hbm"):
+        parse_size(text)
