@@ -1,0 +1,138 @@
+"""The training stacks people run, end to end under ``mirage run``, compared with CPU + gloo.
+
+Each test runs a fixture from ``tests/fixtures/ml/`` through the real CLI,
+daemon and rank processes, and — where the program can also run on CPU
+tensors with gloo — runs it again plainly (no mirage) with ``--device cpu``
+and checks both print the same losses and weight checksums. The
+``no_orphans`` fixture fails a test that leaves a process of its session behind.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from test_run import FIXTURES, REPO_ROOT, SOCKET_ENV, mirage_run
+
+# every test here starts rank processes and trains (the registered meaning of "slow")
+pytestmark = [pytest.mark.usefixtures("no_orphans"), pytest.mark.slow, pytest.mark.e2e]
+
+#: "[rank 0] step 3 loss 0.41995", "[rank 0] checksum 12.89819", "[rank 1] checksum find_unused 4.29"
+_FIGURE = re.compile(r"\[rank (\d+)\] (step \d+ loss|checksum(?: \w+)?) (-?\d+\.\d+)")
+
+
+def figures(text: str) -> dict[tuple[str, str], float]:
+    """Every rank's printed losses and checksums, keyed by (rank, what)."""
+    return {(m.group(1), m.group(2)): float(m.group(3)) for m in _FIGURE.finditer(text)}
+
+
+def run_on_cpu(*args: str, nprocs: int, steps: int, env: dict | None = None) -> str:
+    """The fixture run plainly with torchrun on CPU + gloo (no mirage in sight); its stdout."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MIRAGE_")}
+    clean.update(env or {}, STEPS=str(steps))
+    clean["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), clean.get("PATH", "")])
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}", *args,
+         "--device", "cpu"],
+        cwd=REPO_ROOT, env=clean, capture_output=True, text=True, timeout=240,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+def assert_same_figures(emulated: str, reference: str, rel: float) -> None:
+    got, want = figures(emulated), figures(reference)
+    assert want, f"the CPU run printed no figures:\n{reference}"
+    assert got.keys() == want.keys(), (sorted(got), sorted(want))
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=rel, abs=1e-5), (key, got[key], value)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ddp_variants_under_mp_spawn_match_gloo(tmp_path):
+    """mp.spawn + hard-coded MASTER_PORT, DistributedSampler/DataLoader workers, fp16 and PowerSGD comm
+    hooks, no_sync, snapshot resume with map_location; SyncBatchNorm and AMP checked inside the fixture."""
+    steps = 4
+    r = mirage_run(tmp_path, "--gpus-per-node", "2", "--env", f"DDP_VARIANTS_PORT={free_port()}",
+                   "--env", f"DDP_VARIANTS_DIR={tmp_path}", "--", "python", str(FIXTURES / "ddp_variants.py"),
+                   steps=steps)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "[0] ddp_variants_ok" in r.stdout
+    assert "[0] [rank 1] syncbn ok" in r.stdout  # spawned children's lines are their parent's
+    assert "[0] [rank 1] amp ok" in r.stdout
+    # the same program on CPU + gloo, spawned the same way
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MIRAGE_")}
+    env.update(STEPS=str(steps), DDP_VARIANTS_PORT=str(free_port()), DDP_VARIANTS_DIR=str(tmp_path))
+    cpu = subprocess.run([sys.executable, str(FIXTURES / "ddp_variants.py"), "--device", "cpu", "--nprocs", "2"],
+                         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert cpu.returncode == 0, cpu.stdout + cpu.stderr
+    # fp16 compression sums two fp16 values per element, exactly; PowerSGD's float32 sums of two, too
+    assert_same_figures(r.stdout, cpu.stdout, rel=1e-6)
+    assert {what for _, what in figures(r.stdout)} == {"checksum fp16_hook_no_sync", "checksum powersgd"}
+
+
+def test_backend_extras_on_four_gpus(tmp_path):
+    """async Work/futures, premul_sum, monitored_barrier's refusal, new_subgroups, split_group,
+    2-D DeviceMesh groups, destroy and re-init."""
+    r = mirage_run(tmp_path, "--gpus-per-node", "4", "--", "torchrun", "--standalone", "--nproc_per_node=4",
+                   str(FIXTURES / "backend_extras.py"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "[0] backend_extras_ok" in r.stdout
+
+
+def test_async_collectives_soak(tmp_path):
+    """Random batches of async collectives over two communicators, waited on in a different order per rank."""
+    r = mirage_run(tmp_path, "--gpus-per-node", "4", "--", "torchrun", "--standalone", "--nproc_per_node=4",
+                   str(FIXTURES / "async_soak.py"), steps=30)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "[0] async_soak_ok" in r.stdout
+
+
+def test_fsdp2_matches_gloo(tmp_path):
+    """meta init + to_empty, per-layer fully_shard with bf16 params / fp32 reduce, explicit prefetch,
+    clip_grad_norm_ on DTensors, broadcast_from_rank0, DCP save/load round trip."""
+    steps = 4
+    r = mirage_run(tmp_path, "--gpus-per-node", "2", "--env", f"FSDP2_DIR={tmp_path}", "--", "torchrun",
+                   "--standalone", "--nproc_per_node=2", str(FIXTURES / "fsdp2_train.py"), steps=steps)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "[0] fsdp2_ok" in r.stdout
+    cpu = run_on_cpu(str(FIXTURES / "fsdp2_train.py"), nprocs=2, steps=steps, env={"FSDP2_DIR": str(tmp_path)})
+    assert_same_figures(r.stdout, cpu, rel=1e-4)
+
+
+def test_tensor_and_sequence_parallel_with_fsdp2_match_gloo(tmp_path):
+    """init_device_mesh on a 2-D (dp, tp) mesh, parallelize_module (Sequence/Colwise/Rowwise/
+    PrepareModuleInput) on tp, fully_shard on dp, AdamW foreach. (``--dp 1`` runs TP alone on a 1-D mesh.)"""
+    gpus, dp, steps = 4, 2, 3
+    r = mirage_run(tmp_path, "--gpus-per-node", str(gpus), "--", "torchrun", "--standalone",
+                   f"--nproc_per_node={gpus}", str(FIXTURES / "tp_train.py"), "--dp", str(dp), steps=steps)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "[0] tp_ok" in r.stdout
+    cpu = run_on_cpu(str(FIXTURES / "tp_train.py"), "--dp", str(dp), nprocs=gpus, steps=steps)
+    assert_same_figures(r.stdout, cpu, rel=1e-4)
+
+
+@pytest.mark.parametrize("nodes, gpus", [(1, 8), (2, 4)])
+def test_ddp_at_eight_gpus(tmp_path, nodes, gpus):
+    """The DDP fixture on 8 emulated GPUs: one node, and two nodes of four over the socket transport."""
+    fixture = str(FIXTURES / "ddp_mlp.py")
+    if nodes == 1:
+        args = ["--gpus-per-node", "8", "--", "torchrun", "--standalone", "--nproc_per_node=8", fixture]
+    else:  # one torchrun per emulated node, as on a cluster
+        launch = ("exec torchrun --nnodes=2 --nproc_per_node=4 --node_rank=$MIRAGE_NODE_RANK "
+                  f"--master_addr=$MASTER_ADDR --master_port=$MASTER_PORT {fixture}")
+        args = ["--num-nodes", "2", "--gpus-per-node", "4", *SOCKET_ENV, "--", "bash", "-c", launch]
+    r = mirage_run(tmp_path, *args, steps=10, timeout=280)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "[0] [rank 0] all ranks converged with identical replicas" in r.stdout
+    assert "[7] [rank 7] training on cuda:" in r.stdout
