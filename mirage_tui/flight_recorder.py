@@ -101,7 +101,8 @@ class _Call:
 
 
 def _ns(t: float) -> int:
-    return int(t * 1e9)
+    ns = t * 1e9
+    return int(ns) if abs(ns) < 2**63 else 0  # a hand-edited journal may hold any float
 
 
 def _frames(site: str) -> list[dict]:
@@ -120,11 +121,11 @@ def _tensors(call: _Call) -> tuple[list[list[int]], str, list[list[int]]]:
     if e.op is s.CollOp.BARRIER:
         # NCCL has no barrier: ProcessGroupNCCL all-reduces one float, and FR records that tensor
         return [[1]], "Float", [[1]]
-    out = e.numel
+    out, size = e.numel, max(call.group.size, 1)
     if e.op in (s.CollOp.ALLGATHER, s.CollOp.GATHER):
-        out = e.numel * call.group.size
+        out = e.numel * size
     elif e.op is s.CollOp.REDUCE_SCATTER:
-        out = e.numel // call.group.size
+        out = e.numel // size
     return [[e.numel]], dtype, [[out]]
 
 
@@ -181,8 +182,9 @@ def _fold(events: Iterable[s.Event]) -> tuple[dict[str, _Group], list[_Call], se
             ranks.add(e.global_rank)
         elif isinstance(e, s.CollectiveEnqueued):
             g = groups.get(e.comm)
-            # a post from a rank that never joined cannot be placed in anyone's dump
-            if g is not None and e.rank in g.global_of:
+            # a post from a rank that never joined cannot be placed in anyone's dump;
+            # point-to-point has no collective entry in this layout
+            if g is not None and e.rank in g.global_of and e.op in PROFILING_NAME:
                 calls.append(_Call(g, g.global_of[e.rank], e))
         elif isinstance(e, s.CollectiveStarted):
             if e.comm in groups:

@@ -17,13 +17,27 @@ from typing import IO
 from emulator.schema import OutputLine, Stream
 
 _RANK_FILE = re.compile(r"^rank-(\d+)\.(stdout|stderr)$")
-#: A line longer than this is emitted in pieces rather than held forever.
+#: A line longer than this is emitted in pieces of at most this size (each piece one event, which
+#: every reader of events.jsonl can take), rather than held forever.
 MAX_LINE = 1 << 16
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
 def _decode(raw: bytes) -> str:
     return _ANSI.sub("", raw.decode("utf-8", errors="replace").rstrip("\r"))
+
+
+def _pieces(raw: bytes) -> list[bytes]:
+    """``raw`` cut into pieces of at most ``MAX_LINE`` bytes, never inside a UTF-8 character."""
+    out = []
+    while len(raw) > MAX_LINE:
+        cut = MAX_LINE
+        while cut > MAX_LINE - 4 and raw[cut] & 0xC0 == 0x80:  # a continuation byte: back off to its start
+            cut -= 1
+        out.append(raw[:cut])
+        raw = raw[cut:]
+    out.append(raw)
+    return out
 
 
 class RankTail:
@@ -57,10 +71,14 @@ class RankTail:
             self._offsets[name] = offset + len(data)
             buf = self._partial.pop(name, b"") + data
             *complete, rest = buf.split(b"\n")
+            if len(rest) > MAX_LINE and not final:  # a long line without its end yet: emit its whole pieces
+                *whole, rest = _pieces(rest)
+                complete += whole
             for raw in complete:
-                lines.append(OutputLine(rank=rank, stream=stream, text=_decode(raw)))
-            if rest and (final or len(rest) > MAX_LINE):
-                lines.append(OutputLine(rank=rank, stream=stream, text=_decode(rest)))
+                for piece in _pieces(raw):
+                    lines.append(OutputLine(rank=rank, stream=stream, text=_decode(piece)))
+            if rest and final:
+                lines.extend(OutputLine(rank=rank, stream=stream, text=_decode(p)) for p in _pieces(rest))
             elif rest:
                 self._partial[name] = rest
         return lines

@@ -9,6 +9,11 @@ from dataclasses import dataclass
 
 from mirage_tui.topology import UsageError
 
+#: A unix socket's path must fit ``sun_path`` (108 bytes with its NUL); the daemon's longest is
+#: ``<run dir>/events.sock`` (see ``emulator.daemon.endpoints``).
+_MAX_SOCKET_PATH = 107
+_LONGEST_SOCKET = "events.sock"
+
 
 @dataclass(frozen=True)
 class RunDir:
@@ -35,16 +40,24 @@ class RunDir:
         return os.path.join(self.path, f"node-{node}.log")
 
 
-def create(log_dir: str | None) -> RunDir:
-    """Make ``<log_dir or .mirage/runs>/<timestamp>-<id>/`` with its ``ranks/`` folder and token."""
+def create(log_dir: str | None, sockets: bool = True) -> RunDir:
+    """Make ``<log_dir or .mirage/runs>/<timestamp>-<id>/`` with its ``ranks/`` folder and token.
+
+    ``sockets``: the daemon will bind its ``ipc://`` sockets in it, so the path must be short enough.
+    """
     root = os.path.abspath(log_dir or os.path.join(".mirage", "runs"))
     session = secrets.token_hex(4)
     path = os.path.join(root, f"{time.strftime('%Y%m%d-%H%M%S')}-{session}")
+    flag = f"--log-dir {log_dir}" if log_dir else f"the default run folder {root}"
+    deepest = len(os.fsencode(os.path.join(path, _LONGEST_SOCKET)))
+    if sockets and deepest > _MAX_SOCKET_PATH:
+        room = _MAX_SOCKET_PATH - (deepest - len(os.fsencode(root)))
+        raise UsageError(f"{flag}: too long for the daemon's sockets (a socket's path must stay under "
+                         f"{_MAX_SOCKET_PATH + 1} bytes); pick a folder whose path has at most {room} bytes")
     try:
         os.makedirs(root, mode=0o700, exist_ok=True)
         os.mkdir(path, 0o700)
     except OSError as e:
-        flag = f"--log-dir {log_dir}" if log_dir else f"the default run folder {root}"
         raise UsageError(f"{flag}: cannot create a run directory there ({e.strerror}); pick a writable folder") from None
     os.mkdir(os.path.join(path, "ranks"), 0o700)
     run = RunDir(path=path, session=session, token=secrets.token_hex(16))

@@ -34,6 +34,7 @@ from mirage_tui import diagnosis, flight_recorder, rundir
 from mirage_tui.output import RankTail, pump_pipe
 from mirage_tui.runstate import RunState
 from mirage_tui.topology import OnHang, Topology
+from shim.bootstrap import is_torchrun_agent
 
 #: How long the other nodes may keep running after one failed.
 FAIL_GRACE_S = 3.0
@@ -42,6 +43,14 @@ TERM_GRACE_S = 3.0
 DAEMON_START_TIMEOUT_S = 20.0
 #: Exit code of a run stopped because of a hang (as coreutils' timeout uses).
 HANG_EXIT = 124
+#: Exit code of a run whose emulator daemon died under it (as ``docker run`` answers its daemon's failures).
+DAEMON_DIED_EXIT = 125
+#: Exit code of a run stopped because its run directory could not be written (sysexits' EX_IOERR).
+WRITE_FAILED_EXIT = 74
+#: Events queued for the journal at most: a rank flooding its output is read only as fast as it is recorded.
+EVENT_BACKLOG = 20_000
+#: Teardown waits for the event pumps and the journal as long as they make progress, and this long when they do not.
+DRAIN_STALL_S = 10.0
 _BOOT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "shim", "boot")
 
 Sink = Callable[[s.Event], None]
@@ -81,16 +90,20 @@ class Session:
     def __init__(self, topology: Topology, sink: Sink):
         self.topology = topology
         self.sink = sink
-        self.run = rundir.create(topology.log_dir)
+        self.run = rundir.create(topology.log_dir, sockets=not topology.in_process)
         self.daemon: subprocess.Popen | None = None
         self.nodes: list[subprocess.Popen] = []
         # (event, its encoded line if we already have it) — daemon events arrive encoded
-        self._events: queue.Queue[tuple[s.Event, bytes | None] | None] = queue.Queue()
+        self._events: queue.Queue[tuple[s.Event, bytes | None] | None] = queue.Queue(EVENT_BACKLOG)
+        self._written = 0  # events the dispatcher has handled: teardown's measure of progress
+        self.write_error: str | None = None  # set when the run directory could not be written
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
         self._ctx = zmq.Context()
         self._journal = open(self.run.events, "ab")
         self._log_files: dict[str, object] = {}
+        self._dirty_logs: dict[str, object] = {}  # log files written since the last flush
+        self._sink_errors: set[str] = set()  # display failures already reported
         # what the dispatcher learns, for diagnosing hangs (written by it only)
         self.last_output: dict[int, tuple[str, float]] = {}
         self._exited: set[int] = set()  # nodes whose exit was emitted
@@ -116,25 +129,67 @@ class Session:
                     break
             for item in batch:
                 if item is None:
-                    self._journal.flush()
+                    self._flush_journal()
                     return
                 e, line = item
-                self._journal.write((line or s.encode(e)) + b"\n")
+                self._written += 1
+                self._record(e, line)
                 self.state.apply(e)
                 if isinstance(e, s.OutputLine):
-                    self._log_line(e)
                     if e.rank >= 0:
                         self.last_output[e.rank] = (e.text, e.t)
                 elif isinstance(e, s.HangDetected):
-                    self._journal.flush()  # the diagnosis reads the journal (Flight Recorder dumps)
+                    self._flush_journal()  # the diagnosis reads the journal (Flight Recorder dumps)
                     self._hangs.put(e)
                 if self._tearing_down and isinstance(e, s.CommFailed):
                     continue  # ranks we are stopping take their communicators with them: not news
                 try:
                     self.sink(e)
-                except Exception:  # a broken display must not stop the journal
-                    traceback.print_exc()
-            self._journal.flush()
+                except Exception as err:  # a broken display must not stop the journal
+                    self._sink_failed(err)
+            self._flush_journal()
+
+    def _sink_failed(self, err: Exception) -> None:
+        """Report a display failure once per kind (not once per event); a reader that went away is let go."""
+        if isinstance(err, BrokenPipeError):  # e.g. `mirage run ... | head`: the run goes on, recorded
+            self.sink = lambda event: None
+            return
+        key = f"{type(err).__name__}: {err}"
+        if key not in self._sink_errors:
+            self._sink_errors.add(key)
+            traceback.print_exception(err)
+
+    def _record(self, e: s.Event, line: bytes | None) -> None:
+        """Write one event to the journal (and an output line to its log); a failed write stops the run."""
+        if self.write_error is not None:
+            return  # the run is being stopped; what could not be written is named in the summary
+        try:
+            self._journal.write((line or s.encode(e)) + b"\n")
+        except (OSError, ValueError) as err:
+            return self._write_failed(self.run.events, err)
+        if isinstance(e, s.OutputLine):
+            path = self.run.rank_log(e.rank) if e.rank >= 0 else self.run.node_log(e.node)
+            try:
+                self._log_line(e)
+            except (OSError, ValueError) as err:
+                self._write_failed(path, err)
+
+    def _flush_journal(self) -> None:
+        if self.write_error is None:
+            try:
+                self._journal.flush()
+            except (OSError, ValueError) as err:
+                self._write_failed(self.run.events, err)
+        while self._dirty_logs and self.write_error is None:
+            path, f = self._dirty_logs.popitem()
+            try:
+                f.flush()
+            except (OSError, ValueError) as err:
+                self._write_failed(path, err)
+
+    def _write_failed(self, path: str, err: Exception) -> None:
+        why = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        self.write_error = f"{path}: {why}"
 
     def _log_line(self, e: s.OutputLine) -> None:
         path = self.run.rank_log(e.rank) if e.rank >= 0 else self.run.node_log(e.node)
@@ -142,7 +197,7 @@ class Session:
         if f is None:
             f = self._log_files[path] = open(path, "a", encoding="utf-8")
         f.write(e.text + "\n")
-        f.flush()
+        self._dirty_logs[path] = f  # flushed with the journal, once per batch of events
 
     def _subscribe(self) -> None:
         sub = self._ctx.socket(zmq.SUB)
@@ -245,6 +300,10 @@ class Session:
         )
         if topo.in_process:
             env["MIRAGE_IN_PROCESS"] = "1"
+        if self.daemon is not None:  # ranks stop waiting for replies once it is gone
+            env["MIRAGE_DAEMON_PID"] = str(self.daemon.pid)
+        if topo.hbm_bytes is not None:
+            env["MIRAGE_HBM_BYTES"] = str(topo.hbm_bytes)
         if topo.faults:
             env[faults.ENV] = ";".join(f.spec() for f in topo.faults)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_BOOT_DIR, env.get("PYTHONPATH")) if p)
@@ -279,6 +338,17 @@ class Session:
         failed_at = 0.0
         while True:
             running = 0
+            if self.write_error is not None:  # the disk is full: stop now rather than lose output silently
+                self._terminate_nodes()
+                return Outcome(
+                    WRITE_FAILED_EXIT,
+                    f"could not write the run directory ({self.write_error}); the run was stopped so that "
+                    f"no output is lost silently",
+                    self.run.path,
+                )
+            # before the nodes: ranks fail fast once the daemon is gone, and its death is the cause
+            if self.daemon is not None and self.daemon.poll() is not None and first_failure is None:
+                first_failure, failed_at = (-1, self.daemon.returncode), time.monotonic()
             for node, proc in enumerate(self.nodes):
                 code = proc.poll()
                 if code is None:
@@ -288,8 +358,6 @@ class Session:
                     first_failure, failed_at = (node, code), time.monotonic()
             if not running:
                 break
-            if self.daemon is not None and self.daemon.poll() is not None and first_failure is None:
-                first_failure, failed_at = (-1, 1), time.monotonic()
             if first_failure and time.monotonic() - failed_at > FAIL_GRACE_S:
                 self._terminate_nodes()
             hang = self._report_hangs()
@@ -301,7 +369,12 @@ class Session:
             return Outcome(0, f"all {len(self.nodes)} node process(es) exited 0", self.run.path)
         node, code = first_failure
         if node < 0:
-            return Outcome(1, f"the mirage daemon died (see {self.run.path}/daemon.log)", self.run.path)
+            how = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
+            return Outcome(
+                DAEMON_DIED_EXIT,
+                f"the mirage daemon (pid {self.daemon.pid}) {how} during the run; see {self.run.path}/daemon.log",
+                self.run.path,
+            )
         return Outcome(code if code > 0 else 128 - code, self._failure_summary(node, code), self.run.path)
 
     def _write_report(self, outcome: Outcome | None) -> None:
@@ -323,6 +396,7 @@ class Session:
                 for r, pid in sorted(st.rank_pids.items())
             },
             "communicators": st.to_json(),
+            "gpu_memory": st.memory_json(),
             "hangs": [
                 {"comm": h.comm, "seq": h.seq, "op": h.op.name, "joined": h.joined, "missing": h.missing,
                  "waited_s": h.waited_s}
@@ -348,12 +422,17 @@ class Session:
             d = diagnosis.diagnose(
                 finding, dict(self.state.rank_pids), dict(self.last_output), self.run.ranks, self.run.session
             )
-            path = diagnosis.write(d, self.run.path)
-            fr = flight_recorder.dump_run(self.run.path)
-            text = (
-                f"{diagnosis.render(d)}\n  Flight Recorder dumps: {fr} "
-                f"(python -m torch.distributed.flight_recorder.fr_trace {fr} -p {flight_recorder.PREFIX})"
-            )
+            try:
+                path = diagnosis.write(d, self.run.path)
+                fr = flight_recorder.dump_run(self.run.path)
+                text = (
+                    f"{diagnosis.render(d)}\n  Flight Recorder dumps: {fr} "
+                    f"(python -m torch.distributed.flight_recorder.fr_trace {fr} -p {flight_recorder.PREFIX})"
+                )
+            except OSError as err:  # a full disk: the diagnosis still reaches the user, unsaved
+                why = err.strerror or str(err)
+                path = f"(not saved: {why})"
+                text = f"{diagnosis.render(d)}\n  (the report and Flight Recorder dumps could not be saved: {why})"
             self.emit(s.HangReport(comm=finding.comm, seq=finding.seq, text=text, path=path))
             missing = ", ".join(map(str, finding.missing))
             summary = summary or (
@@ -367,6 +446,8 @@ class Session:
         pid = self.nodes[node].pid
         # with direct launch the node process is the rank itself
         who = next((f"rank {r}" for r, p in self.state.rank_pids.items() if p == pid), f"node {node}")
+        if who.startswith("node") and is_torchrun_agent(["", *self.topology.command]):
+            who = f"node {node} (torchrun's agent)"
         raised: dict[int, str] = {}
         for name in sorted(os.listdir(self.run.ranks)):
             if name.endswith(".stderr"):
@@ -443,20 +524,52 @@ class Session:
         self._stop.set()
         for t in self._threads:
             if t.name != "dispatch":
-                t.join(5)
+                self._join(t)  # a flood of output still in the rank files takes a while to record
+
+    def _join(self, t: threading.Thread) -> None:
+        """Join ``t`` while events keep being recorded; give up after ``DRAIN_STALL_S`` without progress."""
+        last, since = -1, time.monotonic()
+        while t.is_alive():
+            t.join(0.2)
+            if self._written != last:
+                last, since = self._written, time.monotonic()
+            elif time.monotonic() - since > DRAIN_STALL_S:
+                return
+
+    def _offer(self, item: tuple[s.Event, bytes | None] | None) -> bool:
+        """Queue ``item`` while the dispatcher makes progress; False if it stalled (a display that stopped reading)."""
+        last, since = -1, time.monotonic()
+        while True:
+            try:
+                self._events.put(item, timeout=0.2)
+                return True
+            except queue.Full:
+                if self._written != last:
+                    last, since = self._written, time.monotonic()
+                elif time.monotonic() - since > DRAIN_STALL_S:
+                    return False
 
     def close(self, outcome: Outcome | None) -> None:
         """Record the end and close the journal (after :meth:`stop`)."""
-        if outcome is not None:
-            self.emit(s.SessionEnded(returncode=outcome.returncode, summary=outcome.summary))
-        self._events.put(None)
+        ended = outcome is None or self._offer((s.SessionEnded(returncode=outcome.returncode, summary=outcome.summary),
+                                                None))
+        queued = ended and self._offer(None)
         for t in self._threads:
             if t.name == "dispatch":
-                t.join(10)
-        self._journal.close()
+                if queued:
+                    self._join(t)
+                if t.is_alive():
+                    print(f"mirage: the event journal stalled; {self.run.events} may be incomplete", file=sys.stderr)
+        try:
+            self._journal.close()
+        except OSError as err:
+            self._write_failed(self.run.events, err)
         self._write_report(outcome)
-        for f in self._log_files.values():
-            f.close()  # type: ignore[attr-defined]
+        for path, f in self._log_files.items():
+            try:
+                f.close()  # type: ignore[attr-defined]
+            except OSError as err:  # a full disk: already the run's outcome, or too late to change it
+                self._write_failed(path, err)
         self._ctx.destroy(linger=0)
         try:
             os.unlink(self.run.token_file)  # the token is useless once the daemon is gone

@@ -259,7 +259,7 @@ class Group:
 class DaemonProcess:
     """A daemon subprocess in a private 0700 run directory."""
 
-    def __init__(self, gpus_per_node: int = 4):
+    def __init__(self, gpus_per_node: int = 4, hang_timeout_s: float = 30.0):
         self.session = secrets.token_hex(4)
         self.token = secrets.token_hex(16)
         # short path: ipc:// endpoints must fit in a unix socket address
@@ -280,7 +280,7 @@ class DaemonProcess:
             [
                 sys.executable, "-m", "emulator", "--run-dir", self.run_dir, "--session", self.session,
                 "--token-file", self.token_file, "--profile", "mi350x", "--nodes", "1",
-                "--gpus-per-node", str(gpus_per_node),
+                "--gpus-per-node", str(gpus_per_node), "--hang-timeout", str(hang_timeout_s),
             ],
             cwd=REPO_ROOT,
             stdin=subprocess.DEVNULL,
