@@ -18,9 +18,15 @@ from emulator import faults
 from emulator.faults import Fault
 from emulator.profiles import DEFAULT_PROFILE, list_profiles
 from mirage_tui import __version__
-from mirage_tui.topology import DEFAULT_HANG_TIMEOUT_S, OnHang, Topology, UsageError, parse_env, validate
+from mirage_tui.topology import DEFAULT_HANG_TIMEOUT_S, OnHang, Topology, UsageError, parse_env, parse_size, validate
 
 USAGE_EXIT = 2
+#: The program after ``--`` cannot be run (a shell's answer); nothing was started.
+COMMAND_NOT_FOUND_EXIT = 127
+
+
+class CommandNotFound(UsageError):
+    """The program after ``--`` does not exist or cannot be executed: exit 127."""
 
 _RUN_EPILOG = """\
 example:
@@ -81,6 +87,11 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
         f"(default: {DEFAULT_HANG_TIMEOUT_S:g})",
     )
     parser.add_argument(
+        "--hbm",
+        metavar="SIZE",
+        help="memory of each emulated GPU instead of the profile's, e.g. 8GiB to rehearse out-of-memory",
+    )
+    parser.add_argument(
         "--report",
         metavar="FILE",
         help="also write the run's JSON report (exit codes, collectives, findings) to FILE",
@@ -136,12 +147,57 @@ def _topology(ns: argparse.Namespace, command: tuple[str, ...] | None, help_prog
             on_hang=OnHang(ns.on_hang),
             faults=tuple(_fault(spec) for spec in ns.inject),
             report=ns.report,
+            hbm_bytes=None if ns.hbm is None else parse_size(ns.hbm),
             command=command or (),
         )
         validate(topology)
+        _check_combination(topology)
     except UsageError as e:
         raise UsageError(f"{e}; see '{help_prog} --help'") from None
+    _check_command(topology)
     return topology
+
+
+def _check_combination(topology: Topology) -> None:
+    """Flags that are each fine but contradict each other, and a --report that could never be written."""
+    import os
+
+    if topology.in_process and topology.num_nodes > 1:
+        raise UsageError(
+            f"--in-process runs without the daemon, so it cannot join --num-nodes {topology.num_nodes} nodes; "
+            "drop one of the two"
+        )
+    if topology.in_process and topology.on_hang is OnHang.WAIT:
+        raise UsageError("--on-hang wait acts on the daemon's hang reports, and --in-process has no daemon; "
+                         "drop one of the two")
+    if topology.report:
+        folder = os.path.dirname(os.path.abspath(topology.report))
+        if os.path.isdir(topology.report) or not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
+            raise UsageError(f"--report {topology.report}: cannot write a file there; pick a file in a writable folder")
+
+
+def _check_command(topology: Topology) -> None:
+    """Find the program the nodes will run, as they will (their PATH), before anything starts."""
+    import os
+    import shutil
+
+    if not topology.command:
+        return
+    prog = topology.command[0]
+    path = dict(topology.env).get("PATH", os.environ.get("PATH", os.defpath))
+    if shutil.which(prog, path=path) is not None:
+        return
+    if os.sep in prog:
+        where = os.path.abspath(prog)
+        if not os.path.exists(where):
+            raise CommandNotFound(f"command not found: {prog} (tried {where}: no such file)")
+        why = "it is a directory" if os.path.isdir(where) else "it has no execute permission"
+        raise CommandNotFound(f"command not executable: {prog} (tried {where}: {why})")
+    for folder in path.split(os.pathsep):
+        candidate = os.path.join(folder or ".", prog)
+        if os.path.isfile(candidate):
+            raise CommandNotFound(f"command not executable: {prog} (found {candidate}, which has no execute permission)")
+    raise CommandNotFound(f"command not found: {prog} (searched PATH={path})")
 
 
 def _run(topology: Topology) -> int:
@@ -193,7 +249,7 @@ def _dispatch(
         return act(ns, command)
     except UsageError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
-        return USAGE_EXIT
+        return COMMAND_NOT_FOUND_EXIT if isinstance(e, CommandNotFound) else USAGE_EXIT
 
 
 def _print_status(run_dir: str | None, log_dir: str | None, fr_dump: bool) -> int:
@@ -203,6 +259,8 @@ def _print_status(run_dir: str | None, log_dir: str | None, fr_dump: bool) -> in
 
     from mirage_tui.runstate import RunState
 
+    # a call site may carry a lone surrogate (a script path that is not UTF-8): print it escaped, not crash
+    sys.stdout.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
     if run_dir is None:
         root = log_dir or os.path.join(".mirage", "runs")
         runs = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d))) if os.path.isdir(root) else []
@@ -219,6 +277,7 @@ def _print_status(run_dir: str | None, log_dir: str | None, fr_dump: bool) -> in
         print(f"run {run_dir}: ended with exit {state.ended.returncode}: {state.ended.summary}")
     # a live run's ages count to now; an ended run's to its last event
     print(state.ledger_table(now=None if state.ended else time.time()))
+    print(state.memory_table())
     for h in state.hangs:
         print(f"hang: collective #{h.seq} ({h.op.name}) of {h.comm[:8]}: missing ranks {set(h.missing)}")
     if fr_dump:
@@ -251,24 +310,85 @@ def _demo_command(gpus: int) -> tuple[str, ...]:
             os.path.join(root, "tests", "fixtures", "ml", "ddp_mlp.py"))
 
 
+#: mirage-tui's own flags: they choose how the console runs, not the run's topology.
+_CONSOLE_FLAGS = ("batch", "start", "replay", "speed", "theme")
+
+
 def _mirage_tui(ns: argparse.Namespace, command: tuple[str, ...] | None) -> int:
     if ns.batch:
+        for flag in ("replay", "speed", "theme"):
+            if getattr(ns, flag) is not None:
+                raise UsageError(f"--{flag} is for the console; drop it or drop --batch")
         return _run(_topology(ns, command, "mirage-tui"))
+    if ns.speed is not None and not ns.speed > 0:
+        raise UsageError(f"--speed must be a number above 0 (2 plays twice as fast), got {ns.speed:g}")
+    # Imported here: batch mode, --help and usage errors must never import textual.
+    from mirage_tui.app import themes
+
+    theme = themes.DEFAULT_THEME if ns.theme is None else themes.resolve(ns.theme)
+    if theme is None:
+        names = ", ".join(themes.theme_files())
+        raise UsageError(f"--theme must be one of {names}, got {ns.theme!r}")
+    if ns.replay is not None:
+        return _replay(ns, command, theme)
+    if ns.speed is not None:
+        raise UsageError("--speed sets the pace of --replay RUN_DIR; it does nothing for a live run")
+    return _console(ns, command, theme)
+
+
+def _replay(ns: argparse.Namespace, command: tuple[str, ...] | None, theme: str) -> int:
+    """``mirage-tui --replay RUN_DIR``: play a recorded run in the console."""
+    from mirage_tui.replay import ReplayError, load
+
+    if command is not None:
+        raise UsageError("--replay plays a recorded run; it takes no command after --")
+    try:
+        recording = load(ns.replay)
+    except ReplayError as e:
+        raise UsageError(f"--replay: {e}; pass a run directory such as .mirage/runs/<run>") from None
+    from mirage_tui.app.app import MirageApp
+
+    app = MirageApp(recording=recording, speed=ns.speed or 1.0, theme=theme)
+    app.run()
+    return 1 if app.return_code is None else app.return_code
+
+
+def _console(ns: argparse.Namespace, command: tuple[str, ...] | None, theme: str) -> int:
+    """The Setup form prefilled from the flags (or, with none at all, the last run), then the run."""
+    import os
+
+    from mirage_tui.app import topology_file
+    from mirage_tui.app.app import MirageApp
+
+    # no flag at all: the form starts from the last run the console started, if any
+    untouched = command is None and all(
+        value == _tui_parser().get_default(key) for key, value in vars(ns).items() if key not in _CONSOLE_FLAGS
+    )
     if not command:
-        # no program: show the demo cluster training; 2 GPUs unless the user changed the default
+        # no program: the demo cluster training; 2 GPUs unless the user changed the default
         if ns.gpus_per_node is None:
             ns.gpus_per_node = 2
         command = _demo_command(ns.gpus_per_node)
-    topology = _topology(ns, command, "mirage-tui")
-    # Imported here: batch mode, --help and usage errors must never import textual.
-    from mirage_tui.app.app import MirageApp
-
-    app = MirageApp(topology)
+    topology = demo = _topology(ns, command, "mirage-tui")
+    if untouched and os.path.isfile(topology_file.LAST_PATH):
+        try:
+            topology = topology_file.load(topology_file.LAST_PATH, base=demo)
+        except UsageError as e:  # a damaged last-run file must not lock the console; the demo stands in
+            print(f"mirage-tui: ignoring {topology_file.LAST_PATH}: {e}", file=sys.stderr)
+    if ns.start:
+        try:
+            validate(topology)
+        except UsageError as e:
+            raise UsageError(f"{topology_file.LAST_PATH}: {e}") from None
+    app = MirageApp(topology, setup=not ns.start, demo=demo, theme=theme)
     try:
         app.run()
     finally:
         app.stop_session()  # however the app ended, the run's processes end with it
-    return app.outcome.returncode if app.outcome is not None else 1
+    if app.outcome is not None:
+        print(f"mirage-tui: exit {app.outcome.returncode}: {app.outcome.summary}; run dir: {app.outcome.run_dir}",
+              file=sys.stderr)
+    return 1 if app.return_code is None else app.return_code
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -297,11 +417,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _dispatch(parser, argv, _mirage)
 
 
-def tui_main(argv: Sequence[str] | None = None) -> int:
-    """Run ``mirage-tui`` with ``argv``; ``--batch`` makes it behave like ``mirage run``."""
+def _tui_parser() -> _Parser:
     parser = _Parser(
         prog="mirage-tui",
-        usage="%(prog)s [options] [--batch] -- COMMAND [ARGS...]",
+        usage="%(prog)s [options] [--batch | --start | --replay RUN_DIR] [-- COMMAND [ARGS...]]",
         description="Watch a multi-GPU PyTorch program run on emulated AMD GPUs.",
         epilog=_RUN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -311,7 +430,16 @@ def tui_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--batch", action="store_true", help="no console: stream output like 'mirage run'"
     )
-    return _dispatch(parser, argv, _mirage_tui)
+    parser.add_argument("--start", action="store_true", help="launch at once, without the Setup form")
+    parser.add_argument("--replay", metavar="RUN_DIR", help="play a recorded run (its events.jsonl) in the console")
+    parser.add_argument("--speed", type=float, metavar="X", help="replay pace, a multiple of the recorded one (default: 1)")
+    parser.add_argument("--theme", metavar="NAME", help="dark (default), light or high-contrast")
+    return parser
+
+
+def tui_main(argv: Sequence[str] | None = None) -> int:
+    """Run ``mirage-tui`` with ``argv``; ``--batch`` makes it behave like ``mirage run``."""
+    return _dispatch(_tui_parser(), argv, _mirage_tui)
 
 
 if __name__ == "__main__":
