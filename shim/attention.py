@@ -51,9 +51,10 @@ def route(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, e
 def flash_forward(q, k, v, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
     """``_scaled_dot_product_flash_attention`` computed by the CPU flash kernel."""
     out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal, scale=scale)
-    empty = q.new_empty(0)
+    # as a GPU build: no cumulative sequence lengths for dense inputs and no "unused" tensor (undefined,
+    # None here; DTensor's sharding rule expects exactly that), an empty debug mask
     rng_state = torch.zeros(2, dtype=torch.uint64)
-    return out, lse, empty, empty, q.size(2), k.size(2), rng_state, torch.empty(0, dtype=torch.uint64), empty
+    return out, lse, None, None, q.size(2), k.size(2), rng_state, None, q.new_empty(0)
 
 
 def flash_backward(grad_out, q, k, v, out, lse, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
@@ -80,7 +81,7 @@ def efficient_backward(grad_out, q, k, v, attn_bias, out, lse, philox_seed, phil
         grad_out, q, k, v, out, lse, dropout_p, is_causal, attn_mask=attn_bias, scale=scale
     )
     if attn_bias is None or not grad_input_mask[3]:
-        return gq, gk, gv, gq.new_empty(0)  # no gradient asked for the mask (a GPU returns an undefined one)
+        return gq, gk, gv, None  # no gradient asked for the mask: undefined, as on a GPU
     return gq, gk, gv, _bias_grad(grad_out, q, k, v, attn_bias, out, is_causal, scale)
 
 
