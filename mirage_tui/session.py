@@ -10,6 +10,7 @@ the daemon last, then anything still carrying the session's id.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import queue
@@ -82,6 +83,26 @@ def _signal_name(signum: int) -> str:
         return signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: the child must not import or load anything
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_session():
+    """A pre-exec hook: the node gets SIGTERM from the kernel if this session dies, even by SIGKILL.
+
+    Teardown covers every other ending; this covers the one where no code of ours runs. (Nodes that
+    registered with the daemon are also stopped by it; this reaches nodes that never did.)
+    """
+    parent = os.getpid()
+
+    def hook() -> None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the session died before the line above took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return hook
 
 
 class Session:
@@ -322,6 +343,7 @@ class Session:
                 proc = subprocess.Popen(
                     list(self.topology.command), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE, env=self.node_env(node, port), start_new_session=True,
+                    preexec_fn=_die_with_session(),
                 )
             except (FileNotFoundError, PermissionError) as e:
                 what = "not found" if isinstance(e, FileNotFoundError) else "not executable"

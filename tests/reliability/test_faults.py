@@ -197,7 +197,8 @@ def test_signal_to_mirage_run_tears_down(tmp_path, sig, code):
 
 
 def test_sigkill_of_mirage_run_itself(tmp_path):
-    """No session left to tear down: the daemon dies with it and first stops the ranks it knows, and their arenas."""
+    """No session left to tear down: the nodes and the daemon die with it (the daemon first stops the ranks it
+    knows and removes their arenas)."""
     proc = start(tmp_path, "--num-nodes", "2", "--hang-timeout", "120", "--", "python",
                  str(WORKLOADS / "wait_in_allreduce.py"))
     wait_for(lambda: log_has(tmp_path, "rank-0.log", "waiting in all_reduce #3"), "rank 0 to block")
@@ -208,7 +209,25 @@ def test_sigkill_of_mirage_run_itself(tmp_path):
     all_gone(pids, PROMPT_S)
     session = run_dir(tmp_path).name.rsplit("-", 1)[1]
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"mirage-{session}-")]
-    assert "the session went away; stopped 2 of its rank process(es)" in (run_dir(tmp_path) / "daemon.log").read_text()
+    # the kernel signals the nodes (PR_SET_PDEATHSIG) and the daemon stops the ranks it knows: whichever is first
+    assert "the session went away; stopped" in (run_dir(tmp_path) / "daemon.log").read_text()
+
+
+def test_sigkill_of_mirage_run_takes_nodes_that_never_registered(tmp_path):
+    """A node the daemon never heard of (no torch, no Hello) still goes: the kernel signals it when the session dies."""
+    proc = start(tmp_path, "--num-nodes", "2", "--", "python", "-c",
+                 "import time; print('sleeping', flush=True); time.sleep(120)")
+    def started() -> bool:
+        try:
+            return len(session_pids(tmp_path)) >= 3
+        except ValueError:  # no run directory yet
+            return False
+
+    wait_for(started, "the daemon and both nodes")
+    pids = session_pids(tmp_path)
+    proc.kill()
+    proc.wait()
+    all_gone(pids, PROMPT_S)
 
 
 # ---------------------------------------------------------------- ranks misbehaving
