@@ -15,6 +15,8 @@ import random
 import re
 import subprocess
 import sys
+import threading
+import time
 import typing
 from pathlib import Path
 
@@ -180,3 +182,32 @@ def test_the_scan_would_catch_each_pattern():
         assert pattern.search(samples[what]), what
     for innocent in ("model.eval()", "spec.loader.exec_module(m)", "exec_then_activate(module)", "pickle.dump(x, f)"):
         assert not any(p.search(innocent) for p in FORBIDDEN.values()), innocent
+
+
+def test_replay_at_recorded_pace_survives_an_absurd_gap():
+    """Two events 1e300 s apart: the player waits (in slices) instead of raising OverflowError."""
+    from mirage_tui import replay
+
+    gen = random.Random(3)
+    first, second = (random_event(gen, ["0" * 32]) for _ in range(2))
+    events = (dataclasses.replace(first, t=1.0), dataclasses.replace(second, t=1e300))
+    player = replay.Player(replay.Recording(run_dir="", events=events, skipped=0), speed=1.0)
+    played, errors = [], []
+
+    def drive():
+        try:
+            played.extend(player)
+        except Exception as e:  # noqa: BLE001 -- the assertion below names it
+            errors.append(e)
+
+    thread = threading.Thread(target=drive)
+    thread.start()
+    time.sleep(1.5)  # longer than one wait slice
+    assert errors == [] and played == [events[0]] and thread.is_alive()
+    player.step()  # a step lets the far-future event through at once
+    deadline = time.monotonic() + 5
+    while len(played) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    player.stop()
+    thread.join(5)
+    assert errors == [] and played == list(events) and not thread.is_alive()
