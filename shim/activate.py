@@ -53,6 +53,7 @@ def activate() -> None:
     from shim import autocast, cuda, deferred, mode, tensor, torch_compile
 
     tensor.register_factories()
+    tensor.register_foreach()
     autocast.install()
     deferred.install()
     torch_compile.install()

@@ -81,6 +81,10 @@ same = r.resize_(2, 3) is r
 print("resize_:", same, tuple(r.shape))
 print("neg view:", (torch._neg_view(torch.ones(2, device="cuda")) + 0).tolist())
 print("tril_indices:", torch.tril_indices(2, 2, device="cuda").device)
+from torch.optim.optimizer import _default_to_fused_or_foreach
+from torch.utils._foreach_utils import _has_foreach_support
+p = torch.nn.Parameter(torch.ones(3, device="cuda"))
+print("foreach:", _default_to_fused_or_foreach([p], False, False), _has_foreach_support([p], p.device))
 """
 
 
@@ -99,3 +103,4 @@ def test_cuda_tensor_surface(tmp_path):
     assert "resize_: True (2, 3)" in lines
     assert "neg view: [-1.0, -1.0]" in lines
     assert "tril_indices: cuda:0" in lines
+    assert "foreach: (False, True) True" in lines  # optimizers default to foreach, as for GPU tensors
