@@ -47,8 +47,10 @@ def activate() -> None:
     _done = True
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
+    from shim import pinned
     from shim.device import BACKEND
 
+    pinned.install()  # its C++ hooks first: torch keeps the first PrivateUse1 hooks registered
     _setup_privateuseone_for_python_backend(rename=BACKEND, backend_module=_Backend())
     from shim import autocast, cuda, deferred, mode, tensor, torch_compile
 

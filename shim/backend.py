@@ -33,7 +33,7 @@ from emulator import faults
 from emulator.arena import Arena, arena_name
 from emulator import schema as s
 from shim import client as cl
-from shim import nccl_debug
+from shim import nccl_debug, pinned
 from shim import device as dev
 from shim.cuda import NCCL_VERSION
 from shim.tensor import MirageTensor
@@ -766,21 +766,24 @@ def _split_group(split_group):
 
 
 UNUSED_PARAMETERS_MESSAGE = (
-    "mirage: DistributedDataParallel({arg}=True) is not supported on emulated GPUs yet: DDP's reducer "
-    "exchanges its map of used parameters through pinned host memory, which torch lets a device "
-    "provide only from C++. Make every parameter take part in the loss and drop {arg}, or use "
-    "fully_shard (FSDP2). See docs/compatibility.md."
+    "mirage: DistributedDataParallel({arg}=True) needs mirage's pinned host allocator, which this "
+    "machine lacks: {why}. DDP's reducer exchanges its map of used parameters through pinned host "
+    "memory. Install a C++ compiler (or set CXX) and run again, or make every parameter take part "
+    "in the loss and drop {arg}. See docs/compatibility.md."
 )
 
 
 def _refuse_unused_parameters(init):
-    """``DistributedDataParallel.__init__`` refusing, by name, what would abort at the first backward."""
+    """``DistributedDataParallel.__init__`` refusing, by name, what would abort at the first backward.
+
+    Only without the native pinned allocator (``shim/pinned.py``), which the reducer needs for these.
+    """
 
     @functools.wraps(init)
     def checked(self, module, *args, **kwargs):
         for arg in ("find_unused_parameters", "static_graph"):
             if kwargs.get(arg) and any(isinstance(p, MirageTensor) for p in module.parameters()):
-                raise NotImplementedError(UNUSED_PARAMETERS_MESSAGE.format(arg=arg))
+                raise NotImplementedError(UNUSED_PARAMETERS_MESSAGE.format(arg=arg, why=pinned.NATIVE_ERROR))
         return init(self, module, *args, **kwargs)
 
     return checked
@@ -814,8 +817,9 @@ def install() -> None:
         return register(pg, *args, backend_name=backend_name, backend_config=backend_config, **kwargs)
 
     c10d.split_group = dist.split_group = _split_group(c10d.split_group)
-    ddp = torch.nn.parallel.DistributedDataParallel
-    ddp.__init__ = _refuse_unused_parameters(ddp.__init__)
+    if pinned.NATIVE_ERROR is not None:
+        ddp = torch.nn.parallel.DistributedDataParallel
+        ddp.__init__ = _refuse_unused_parameters(ddp.__init__)
     c10d._new_process_group_helper = new_process_group_helper
     c10d._register_pg_in_world = register_pg_in_world
     c10d._NCCL_AVAILABLE = True

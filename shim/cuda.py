@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import threading
 import time
 import uuid as uuid_mod
@@ -127,24 +128,49 @@ class device:  # noqa: N801 - torch's name
         return False
 
 
-class Stream:
+#: what torch's C++ stream and event objects of an emulated GPU say they are on (one backend device)
+_PRIVATEUSE1 = int(torch._C._autograd.DeviceType.PrivateUse1)
+#: the device type number a GPU build's cuda streams report (c10::DeviceType::CUDA)
+_CUDA_TYPE = int(torch._C._autograd.DeviceType.CUDA)
+
+
+class Stream(torch._C.Stream):
     """A stream of emulated GPU ``device``. Kernels run eagerly on the CPU, so every stream is always idle.
 
     Streams are still distinct objects with their own ids and priorities, and
     each thread has a current stream per device, so code that compares,
     switches or synchronises streams (FSDP2's all-gather and reduce-scatter
-    streams, for instance) behaves as on a GPU.
+    streams, for instance) behaves as on a GPU. Like a GPU build's
+    ``torch.cuda.Stream`` it is a ``torch.Stream``; the C++ object underneath
+    sits on the one backend device, so the device, the comparisons and the
+    methods are answered here.
     """
 
     _ids = itertools.count(1)
 
-    def __init__(self, device=None, priority=0, **kwargs):
-        self.device = torch.device("cuda", _index(device))
-        self.device_index = self.device.index
-        self.device_type = "cuda"
-        self.priority = max(-1, min(0, int(priority)))  # ROCm's range is (0, -1), as CUDA's
-        self.stream_id = next(Stream._ids)
-        self.cuda_stream = 0x1000 * self.stream_id  # an opaque handle, unique per stream
+    def __new__(cls, device=None, priority=0, **kwargs):
+        return cls._make(_index(device), next(Stream._ids), priority)
+
+    @classmethod
+    def _make(cls, gpu: int, stream_id: int, priority: int) -> Stream:
+        s = super().__new__(cls, stream_id=stream_id, device_index=0, device_type=_PRIVATEUSE1)
+        s._gpu = gpu
+        s.priority = max(-1, min(0, int(priority)))  # ROCm's range is (0, -1), as CUDA's
+        s.cuda_stream = 0x1000 * stream_id  # an opaque handle, unique per stream (0: the null stream)
+        s._contexts = []
+        return s
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return torch.device("cuda", self._gpu)
+
+    @property
+    def device_index(self) -> int:  # type: ignore[override]
+        return self._gpu
+
+    @property
+    def device_type(self) -> int:  # type: ignore[override]
+        return _CUDA_TYPE
 
     @staticmethod
     def priority_range() -> tuple[int, int]:
@@ -170,56 +196,121 @@ class Stream:
     def is_capturing(self) -> bool:
         return False  # no CUDA/HIP graphs here
 
+    def native_handle(self) -> int:
+        return self.cuda_stream
+
+    def __eq__(self, other) -> bool:
+        # the C++ comparison would see every GPU's null stream as the same (one backend device)
+        return isinstance(other, Stream) and (self.stream_id, self._gpu) == (other.stream_id, other._gpu)
+
+    def __ne__(self, other) -> bool:
+        return not self == other  # not inherited from __eq__: the C++ class compares both ways itself
+
+    def __hash__(self) -> int:
+        return hash((self.stream_id, self._gpu))
+
     def __enter__(self):
-        self._context = stream(self)
-        return self._context.__enter__()
+        context = stream(self)
+        self._contexts.append(context)
+        return context.__enter__()
 
     def __exit__(self, *exc):
-        return self._context.__exit__(*exc)
+        return self._contexts.pop().__exit__(*exc)
 
     def __repr__(self) -> str:
         return f"<torch.cuda.Stream device={self.device} cuda_stream={self.cuda_stream:#x}>"
 
 
-class _DefaultStream(Stream):
-    """The null stream of a device (``cuda_stream`` 0), what ``default_stream`` returns."""
-
-    def __init__(self, device):
-        super().__init__(device)
-        self.stream_id = 0
-        self.cuda_stream = 0
+def _default_stream_of(gpu: int) -> Stream:
+    """The null stream of a device (``stream_id`` and ``cuda_stream`` 0), what ``default_stream`` returns."""
+    return Stream._make(gpu, 0, 0)
 
 
-class Event:
-    """Records wall time, so ``elapsed_time`` is real elapsed time between records."""
+class Event(torch._C.Event):
+    """Records wall time, so ``elapsed_time`` is real elapsed time between records.
 
-    def __init__(self, enable_timing=False, blocking=False, interprocess=False):
-        self.enable_timing = enable_timing
-        self.blocking = blocking
-        self.interprocess = interprocess
-        self._t: float | None = None
+    A ``torch.Event``, as a GPU build's ``torch.cuda.Event`` is; every method
+    is answered here (kernels have finished when ``record`` returns).
+    """
 
-    def record(self, stream=None) -> None:
+    def __new__(cls, enable_timing=False, blocking=False, interprocess=False, external=False, *, device=None):
+        e = super().__new__(cls, device=dev.BACKEND, enable_timing=enable_timing, blocking=blocking,
+                            interprocess=interprocess)
+        e.enable_timing = enable_timing
+        e.blocking = blocking
+        e.interprocess = interprocess
+        e._gpu = None if device is None else _index(device)  # set by record(), as on a GPU
+        e._t = None
+        return e
+
+    @property
+    def device(self) -> torch.device | None:  # type: ignore[override]
+        return None if self._gpu is None else torch.device("cuda", self._gpu)
+
+    def record(self, stream=None) -> None:  # type: ignore[override]
+        self._gpu = (stream or current_stream(self._gpu)).device_index
         self._t = time.perf_counter()
 
-    def wait(self, stream=None) -> None:
+    def wait(self, stream=None) -> None:  # type: ignore[override]
         pass
 
-    def query(self) -> bool:
+    def query(self) -> bool:  # type: ignore[override]
         return True
 
-    def synchronize(self) -> None:
+    def synchronize(self) -> None:  # type: ignore[override]
         pass
 
-    def elapsed_time(self, end: Event) -> float:
-        if not (self.enable_timing and end.enable_timing):
+    def elapsed_time(self, end_event) -> float:  # type: ignore[override]
+        if not (self.enable_timing and end_event.enable_timing):
             raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
-        if self._t is None or end._t is None:
+        if self._t is None or end_event._t is None:
             raise RuntimeError("Both events must be recorded before calculating elapsed time.")
-        return (end._t - self._t) * 1000.0
+        return (end_event._t - self._t) * 1000.0
 
     def __repr__(self) -> str:
         return f"<torch.cuda.Event {id(self):#x}>"
+
+
+class _AnyOf(type):
+    """Metaclass of the generic classes: ``isinstance`` accepts every object of the C++ class they stand for."""
+
+    def __instancecheck__(cls, obj) -> bool:
+        return isinstance(obj, cls.__mro__[1])
+
+    def __subclasscheck__(cls, sub) -> bool:
+        return issubclass(sub, cls.__mro__[1])
+
+
+def _accelerator_device(device) -> torch.device:
+    """The device a generic stream or event is for: ``None`` means the accelerator, which is ``cuda``."""
+    if device is None:
+        return torch.device("cuda")
+    if isinstance(device, int):
+        return torch.device("cuda", device)
+    return torch.device(device)
+
+
+class GenericStream(torch._C.Stream, metaclass=_AnyOf):
+    """``torch.Stream``: on ``cuda`` (the accelerator, the default) a :class:`Stream` of the emulated GPU."""
+
+    def __new__(cls, *args, **kwargs):
+        if len(args) > 1 or "stream_id" in kwargs:  # (stream_id, device_index, device_type): a handle torch made
+            return torch._C.Stream(*args, **kwargs)
+        d = _accelerator_device(args[0] if args else kwargs.get("device"))
+        priority = kwargs.get("priority", 0)
+        if d.type in ("cuda", dev.BACKEND):
+            return Stream(d if d.type == "cuda" else None, priority=priority)
+        return torch._C.Stream(device=d, priority=priority)
+
+
+class GenericEvent(torch._C.Event, metaclass=_AnyOf):
+    """``torch.Event``: on ``cuda`` (the accelerator, the default) an :class:`Event` of the emulated GPU."""
+
+    def __new__(cls, device=None, *, enable_timing=False, blocking=False, interprocess=False):
+        d = _accelerator_device(device)
+        if d.type in ("cuda", dev.BACKEND):
+            return Event(enable_timing, blocking, interprocess, device=d if d.type == "cuda" else None)
+        return torch._C.Event(device=d, enable_timing=enable_timing, blocking=blocking, interprocess=interprocess)
 
 
 _default_streams: dict[int, Stream] = {}
@@ -229,7 +320,7 @@ _current = threading.local()  # as in CUDA, the current stream is per thread (an
 def default_stream(device=None) -> Stream:
     i = _index(device)
     if i not in _default_streams:
-        _default_streams[i] = _DefaultStream(i)
+        _default_streams[i] = _default_stream_of(i)
     return _default_streams[i]
 
 
@@ -245,7 +336,7 @@ def set_stream(s: Stream | None) -> None:
         return
     if not hasattr(_current, "streams"):
         _current.streams = {}
-    _current.streams[s.device.index] = s
+    _current.streams[s.device_index] = s
 
 
 class stream(contextlib.AbstractContextManager):  # noqa: N801 - torch's name
@@ -257,8 +348,8 @@ class stream(contextlib.AbstractContextManager):  # noqa: N801 - torch's name
 
     def __enter__(self):
         if self.stream is not None:
-            self._prev = (current_stream(self.stream.device), dev.STATE.current)
-            dev.STATE.current = self.stream.device.index
+            self._prev = (current_stream(self.stream.device_index), dev.STATE.current)
+            dev.STATE.current = self.stream.device_index
             set_stream(self.stream)
         return self.stream
 
@@ -267,6 +358,81 @@ class stream(contextlib.AbstractContextManager):  # noqa: N801 - torch's name
             set_stream(self._prev[0])
             dev.STATE.current = self._prev[1]
         return False
+
+
+def synchronize(device=None) -> None:
+    """Wait for the device's kernels: they ran eagerly, so only the device is checked, as the runtime does."""
+    _index(device)
+
+
+class _Smi:
+    """What amd-smi reports for the emulated GPUs (``torch.cuda.utilization``, ``temperature``, ...).
+
+    A GPU is busy while its process computes, so utilization is the share of
+    wall time this process spent on a CPU over the last sample period (at least
+    1/6 s, as the SMI's are; at most 100 %), on the GPUs it holds memory on, and
+    0 on the others. Temperature, power and clock follow utilization linearly
+    between an idle and a full-load figure; memory used is what the caching
+    allocator model has reserved.
+    """
+
+    SAMPLE_S = 1 / 6
+    IDLE_C, BUSY_C = 40, 85  # junction temperature, degrees C
+    IDLE_POWER = 0.15  # of the profile's board power
+    IDLE_CLOCK = 0.25  # of the profile's peak engine clock
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._at = (time.monotonic(), time.process_time())
+        self._busy = 0.0
+
+    def busy(self) -> float:
+        """This process's share of wall time on a CPU (0..1) over the last sample period."""
+        with self._lock:
+            wall, cpu = time.monotonic(), time.process_time()
+            elapsed = wall - self._at[0]
+            if elapsed >= self.SAMPLE_S:
+                self._busy = min(1.0, max(0.0, (cpu - self._at[1]) / elapsed))
+                self._at = (wall, cpu)
+            return self._busy
+
+    def utilization(self, device=None) -> int:
+        i = _index(device)
+        ALLOCATOR.sync()
+        return round(100 * self.busy()) if ALLOCATOR.devices[i].reserved_total else 0
+
+    def temperature(self, device=None) -> int:
+        return round(self.IDLE_C + (self.BUSY_C - self.IDLE_C) * self.utilization(device) / 100)
+
+    def power_draw(self, device=None) -> int:
+        """Socket power in W: the ROCm path reports amd-smi's ``average_socket_power``, which is in watts."""
+        board = dev.STATE.profile.board_power_w
+        return round(board * (self.IDLE_POWER + (1 - self.IDLE_POWER) * self.utilization(device) / 100))
+
+    def clock_rate(self, device=None) -> int:
+        """The graphics (engine) clock in MHz."""
+        peak = dev.STATE.profile.clock_mhz
+        return round(peak * (self.IDLE_CLOCK + (1 - self.IDLE_CLOCK) * self.utilization(device) / 100))
+
+    def device_memory_used(self, device=None) -> int:
+        """Bytes in use on the GPU; amd-smi counts whole MiB (``vram_used``)."""
+        i = _index(device)
+        ALLOCATOR.sync()
+        return ALLOCATOR.devices[i].reserved_total >> 20 << 20
+
+    def list_gpu_processes(self, device=None) -> str:
+        """torch's text for amd-smi's process list: this process, if it holds memory on the GPU."""
+        i = _index(device)
+        used = self.device_memory_used(i)
+        lines = [f"GPU:{i}"]
+        if used:
+            lines.append(f"process {os.getpid():>10d} uses {used / 2**20:>12.3f} MB GPU memory")
+        else:
+            lines.append("no processes are running")
+        return "\n".join(lines)
+
+
+SMI = _Smi()
 
 
 def _set_fraction(fraction: float, device: int) -> None:
@@ -302,6 +468,7 @@ def _install_memory() -> None:
     m._lazy_init = lambda: None
     mem_get_info = lambda d=None: ALLOCATOR.mem_get_info(_index(d))  # noqa: E731
     m.mem_get_info = torch.cuda.mem_get_info = mem_get_info
+    m.list_gpu_processes = SMI.list_gpu_processes
 
 
 def install() -> None:
@@ -322,7 +489,7 @@ def install() -> None:
         "get_device_properties": get_device_properties,
         "get_arch_list": lambda: [dev.STATE.profile.gfx],
         "is_bf16_supported": lambda including_emulation=True: True,
-        "synchronize": lambda d=None: None,
+        "synchronize": synchronize,
         "Stream": Stream,
         "Event": Event,
         "current_stream": current_stream,
@@ -331,6 +498,14 @@ def install() -> None:
         "stream": stream,
         "StreamContext": stream,
         "is_current_stream_capturing": lambda: False,
+        # amd-smi's figures (a CPU build has no amdsmi to ask)
+        "utilization": SMI.utilization,
+        "memory_usage": SMI.utilization,  # memory activity: the same busy share
+        "temperature": SMI.temperature,
+        "power_draw": SMI.power_draw,
+        "clock_rate": SMI.clock_rate,
+        "device_memory_used": SMI.device_memory_used,
+        "list_gpu_processes": SMI.list_gpu_processes,
     }
     for name, fn in replacements.items():
         setattr(c, name, fn)
@@ -360,11 +535,14 @@ def install() -> None:
         "device_count": lambda: count,
         "current_device_index": lambda: dev.STATE.current,
         "set_device_index": set_device,
-        "synchronize": lambda d=None: None,
+        "synchronize": synchronize,
         "current_stream": current_stream,
         "set_stream": set_stream,
         "device_index": device,
     }.items():
         setattr(acc, name, fn)
+    # the generic classes, whose device defaults to the accelerator's, make the same streams and events
+    torch.Stream = GenericStream
+    torch.Event = GenericEvent
     # the C entry point Python callers (FSDP2's default mesh, DTensor) read the accelerator from
     torch._C._get_accelerator = lambda check=False: torch.device("cuda")

@@ -71,9 +71,9 @@ class CudaMode(TorchFunctionMode):
             if gpu is not None:
                 return _move(args[0], gpu, dtype, copy, memory_format)
             return func(*args, **kwargs)
-        if func is _PIN_MEMORY:
+        if func is _PIN_MEMORY and pinned.NATIVE_ERROR is not None:
             return pinned.pin(args[0])
-        if func is _IS_PINNED:
+        if func is _IS_PINNED and pinned.NATIVE_ERROR is not None:
             return pinned.is_pinned(args[0])
         if func is _SDPA:
             out = attention.route(*args, **kwargs)

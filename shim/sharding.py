@@ -1,4 +1,4 @@
-"""FSDP2 and DTensor on emulated GPUs: the two places they look below the Python tensor.
+"""FSDP2 and DTensor on emulated GPUs: the places they look below the Python tensor.
 
 - FSDP2 frees an unsharded parameter between uses by resizing its storage to
   zero bytes and back (``free_storage`` / ``alloc_storage`` in
@@ -9,6 +9,11 @@
   the one backend device ``mirage:0``; it answers its local tensor's device
   (``cuda:i``) instead, as on a GPU, which FSDP2 checks when it shards DTensors
   (2-D meshes: ``Expects DTensor to be moved to cuda``).
+- DTensor works out an op's output shape by running it on fake tensors made
+  on the mesh's device type. Fake ``cuda`` tensors reach kernels a CPU build
+  lacks (``copy_``, so ``uniform_``'s decomposition and every ``nn.init``
+  function: "PyTorch is not linked with support for cuda devices"), so they are
+  made on the backend device instead, which is what an emulated GPU is in C++.
 
 Each module is patched when it is first imported (FSDP2 costs half a second
 to import, which a rank that never uses it should not pay).
@@ -21,8 +26,10 @@ import importlib.abc
 import importlib.util
 import sys
 
+import torch
+
 from shim.memory import ALLOCATOR
-from shim.tensor import MirageTensor
+from shim.tensor import BACKEND_DEVICE, MirageTensor
 
 
 def _on_host(resize):
@@ -46,9 +53,26 @@ def _patch_dtensor(module) -> None:
     module.DTensor.device = property(lambda self: self._local_tensor.device, doc="The local tensor's device.")
 
 
+def _patch_op_schema(module) -> None:
+    """Build the fake arguments of DTensor's shape propagation on the backend device, not ``cuda``."""
+    rebuild = module._rebuild_tensor_from_dtensor_meta
+
+    @functools.wraps(rebuild)
+    def on_backend(arg):
+        if arg.mesh.device_type != "cuda":
+            return rebuild(arg)
+        meta = arg.tensor_meta
+        if meta is None:
+            raise AssertionError("DTensorSpec does not contain tensor_meta.")
+        return torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device=BACKEND_DEVICE)
+
+    module._rebuild_tensor_from_dtensor_meta = on_backend
+
+
 _PATCHES = {
     "torch.distributed.fsdp._fully_shard._fsdp_param": _patch_fsdp_param,
     "torch.distributed.tensor._api": _patch_dtensor,
+    "torch.distributed.tensor._op_schema": _patch_op_schema,
 }
 
 

@@ -34,6 +34,10 @@ _MIXED_OK = {
 }
 
 
+#: ops that copy a tensor to another device (``cpu``: off the emulated GPU)
+_LEAVING_OPS = {_aten._to_copy.default, _aten.to.dtype_layout, _aten.to.device}
+
+
 class _CudaStorage(torch.UntypedStorage):
     """A ``cuda:i`` tensor's storage as Python sees it: the host storage inside, on GPU ``i``."""
 
@@ -151,9 +155,12 @@ def _dispatch(func, args, kwargs):
         raise RuntimeError(
             f"Expected all tensors to be on the same device, but found at least two devices, cuda:{gpu} and cpu!"
         )
-    target = kwargs.get("device") if kwargs else None
-    if func is _aten._to_copy.default and target is not None and target.type == "cpu":
-        return func(*uargs, **ukwargs)  # leaves the GPU: a plain CPU tensor
+    target = args[1] if func is _aten.to.device else kwargs.get("device") if kwargs else None
+    if target is not None and target.type == "cpu" and func in _LEAVING_OPS:
+        # leaves the GPU: a plain CPU tensor. aten.to itself arrives here inside another subclass's
+        # dispatch (DTensor's RNG tracker moves its state to the host), and would return its host input
+        out = func(*uargs, **ukwargs)
+        return out.clone() if out is uargs[0] else out
     override = dev.allocation_override()
     out_gpu = override if override is not None else gpu if gpu is not None else dev.STATE.current
     if func is _aten.native_dropout.default:
@@ -166,7 +173,7 @@ def _dispatch(func, args, kwargs):
     if kernel is not None:
         return _wrap(kernel(*uargs, **ukwargs), out_gpu, un.wrappers)
     if rng.GENERATOR_ARG.get(func, 0) != rng.NO_GENERATOR:  # a random op, or one not seen yet
-        uargs, ukwargs = rng.supply_generator(func, uargs, ukwargs, out_gpu)
+        return _wrap(rng.call_random(func, uargs, ukwargs, out_gpu), out_gpu, un.wrappers)
     return _wrap(func(*uargs, **ukwargs), out_gpu, un.wrappers)
 
 
@@ -288,13 +295,6 @@ def _on_cuda_key(factory):
     return run
 
 
-def _pin_memory(self, device=None):
-    # Reached where the mode is not (a DataLoader's pin-memory thread; shim/pinned.py answers
-    # elsewhere): torch takes a pinned allocator for PrivateUse1 only from C++, so the pinned
-    # copy is an ordinary host copy, and is_pinned() stays False for it.
-    return self.clone(memory_format=torch.contiguous_format)
-
-
 def register_foreach() -> None:
     """Let optimizers and ``clip_grad_norm_`` pick the foreach kernels for ``cuda:i`` tensors.
 
@@ -323,6 +323,5 @@ def register_factories() -> None:
     _lib.impl("empty_strided", _empty_strided, "PrivateUse1")
     _lib.impl("_copy_from", _copy_from, "PrivateUse1")
     _lib.impl("_efficientzerotensor", _efficient_zero_tensor, "PrivateUse1")
-    _lib.impl("_pin_memory", _pin_memory, "CPU")  # DataLoader(pin_memory=True), also in its pin thread
     _lib.impl("empty.memory_format", _on_cuda_key(_empty_memory_format), "CUDA")
     _lib.impl("empty_strided", _on_cuda_key(_empty_strided), "CUDA")

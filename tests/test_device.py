@@ -22,6 +22,15 @@ def test_device_surface_memory_rng_streams_autocast_sdpa(tmp_path):
     assert "[0] device_surface_ok" in r.stdout.splitlines()
 
 
+def test_reset_parameters_on_sharded_dtensors_draws_per_shard_and_per_seed(tmp_path):
+    """FSDP2 and TP meta-init + to_empty("cuda") + reset_parameters(): DTensor's RNG tracker on the GPU generators."""
+    r = mirage_run(tmp_path, "--gpus-per-node", "2", "--", "torchrun", "--standalone", "--nproc_per_node=2",
+                   str(FIXTURES / "dtensor_init.py"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "[0] dtensor_init_ok" in r.stdout.splitlines()
+    assert "[1] [rank 1] tp: reset_parameters on 4 DTensors ok" in r.stdout.splitlines()
+
+
 def test_out_of_memory_is_torchs_error_with_the_allocators_message(tmp_path):
     program = ("import torch\n"
                "x = torch.empty(48 << 20, dtype=torch.uint8, device='cuda')\n"

@@ -60,8 +60,9 @@ def free_port() -> int:
 
 
 def test_ddp_variants_under_mp_spawn_match_gloo(tmp_path):
-    """mp.spawn + hard-coded MASTER_PORT, DistributedSampler/DataLoader workers, fp16 and PowerSGD comm
-    hooks, no_sync, snapshot resume with map_location; SyncBatchNorm and AMP checked inside the fixture."""
+    """mp.spawn + hard-coded MASTER_PORT, DistributedSampler/DataLoader workers (batches pinned), fp16 and
+    PowerSGD comm hooks, no_sync, find_unused_parameters and static_graph, snapshot resume with map_location;
+    SyncBatchNorm and AMP checked inside the fixture."""
     steps = 4
     r = mirage_run(tmp_path, "--gpus-per-node", "2", "--env", f"DDP_VARIANTS_PORT={free_port()}",
                    "--env", f"DDP_VARIANTS_DIR={tmp_path}", "--", "python", str(FIXTURES / "ddp_variants.py"),
@@ -76,9 +77,22 @@ def test_ddp_variants_under_mp_spawn_match_gloo(tmp_path):
     cpu = subprocess.run([sys.executable, str(FIXTURES / "ddp_variants.py"), "--device", "cpu", "--nprocs", "2"],
                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert cpu.returncode == 0, cpu.stdout + cpu.stderr
-    # fp16 compression sums two fp16 values per element, exactly; PowerSGD's float32 sums of two, too
+    # fp16 compression sums two fp16 values per element, exactly; the float32 sums of two of the others, too
     assert_same_figures(r.stdout, cpu.stdout, rel=1e-6)
-    assert {what for _, what in figures(r.stdout)} == {"checksum fp16_hook_no_sync", "checksum powersgd"}
+    assert {what for _, what in figures(r.stdout)} == {"checksum fp16_hook_no_sync", "checksum powersgd",
+                                                       "checksum find_unused", "checksum static_graph"}
+
+
+def test_ddp_unused_parameters_refused_without_a_compiler(tmp_path):
+    """Where the pinned host allocator cannot be built, pinning falls back to copies and DDP refuses
+    find_unused_parameters / static_graph at construction, saying why (instead of aborting in backward)."""
+    r = mirage_run(tmp_path, "--gpus-per-node", "1", "--env", f"MIRAGE_CACHE_DIR={tmp_path / 'cache'}",
+                   "--env", "CXX=/nonexistent/c++", "--", "python", str(FIXTURES / "pinned_fallback.py"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "[0] pinned_fallback_ok" in r.stdout
+    for arg in ("find_unused_parameters", "static_graph"):
+        assert (f"[0] refused {arg}: mirage: DistributedDataParallel({arg}=True) needs mirage's pinned host "
+                "allocator, which this machine lacks: no C++ compiler: '/nonexistent/c++' not found") in r.stdout
 
 
 def test_backend_extras_on_four_gpus(tmp_path):

@@ -1,0 +1,132 @@
+"""Build ``shim/pinned_host.cpp``, the pinned host allocator ``shim/pinned.py`` loads.
+
+One C++ file against torch's headers, linked to ``libc10``/``libtorch_cpu``,
+no Python or pybind11: it compiles in about 1.5 s. The library is cached in
+``$MIRAGE_CACHE_DIR`` if set, else in the virtual environment
+(``<venv>/lib/mirage/``; ``~/.cache/mirage/`` for a Python outside one or a
+venv we cannot write to), named by torch's version and a hash of the source
+and the compile flags, so a new torch or an edited source builds a new one
+(and removes the ones it replaces). Ranks that start together build it once:
+the first takes a lock, the others wait for it and load its result. A failed
+compile is recorded next to where the library would be and not retried with
+the same compiler (delete the record to retry), so that every rank of every
+run does not pay for it again.
+
+``python -m shim.pinned_build`` builds it ahead of time (tests/setup_venv.sh
+does) and prints where it is. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.metadata
+import importlib.util
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("pinned_host.cpp")
+
+
+class BuildError(RuntimeError):
+    """The library could not be built here (one line: why)."""
+
+
+def _torch_dir() -> Path:
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        raise BuildError("torch is not installed")
+    return Path(spec.submodule_search_locations[0])
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("MIRAGE_CACHE_DIR"):
+        return Path(os.environ["MIRAGE_CACHE_DIR"])
+    if sys.prefix != sys.base_prefix and os.access(sys.prefix, os.W_OK):
+        return Path(sys.prefix) / "lib" / "mirage"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mirage"
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX") or "c++"
+    found = shutil.which(shlex.split(cxx)[0]) if cxx.strip() else None
+    if found is None:
+        raise BuildError(f"no C++ compiler: {cxx!r} not found (CXX names the compiler, default c++)")
+    return cxx
+
+
+def _command(cxx: str, torch_dir: Path, out: Path) -> list[str]:
+    # the flags torch.utils.cpp_extension uses (C++20, position independent); the C++ ABI is
+    # that of every torch 2.13 wheel, and the rpath lets the loader find libc10 from anywhere
+    lib = torch_dir / "lib"
+    return [*shlex.split(cxx), "-O2", "-std=c++20", "-fPIC", "-shared", "-D_GLIBCXX_USE_CXX11_ABI=1",
+            f"-I{torch_dir / 'include'}", str(SOURCE), "-o", str(out),
+            f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
+
+
+def library_path() -> Path:
+    """Where the library for this torch and this source is (or will be) cached; imports nothing heavy."""
+    torch_dir = _torch_dir()
+    key = hashlib.sha256(SOURCE.read_bytes())
+    key.update(" ".join(_command("", torch_dir, Path())).encode())
+    version = importlib.metadata.version("torch")
+    return _cache_dir() / f"pinned_host-torch{version}-{key.hexdigest()[:12]}.so"
+
+
+def build() -> Path:
+    """The library's path, compiling it first if no process has yet; :class:`BuildError` if it cannot be."""
+    out = library_path()
+    if out.exists():
+        return out
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(out.with_suffix(".lock"), "w")
+    except OSError as e:
+        raise BuildError(f"cannot write {out.parent}: {e.strerror} (MIRAGE_CACHE_DIR names another place)") from None
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the ranks of one run start together: one compiles
+        if out.exists():
+            return out
+        cxx = _compiler()  # no compiler is not recorded: installing one is enough to retry
+        # a failure is this compiler's: another CXX gets its own try
+        failed = out.with_name(f"{out.stem}-cxx{hashlib.sha256(cxx.encode()).hexdigest()[:8]}.failed")
+        if failed.exists():
+            raise BuildError(f"{failed.read_text().strip()} (recorded in {failed}; delete it to retry)")
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")
+        try:
+            r = subprocess.run(_command(cxx, _torch_dir(), tmp), capture_output=True, text=True)
+        except OSError as e:  # CXX names something that is not a program (not recorded either)
+            raise BuildError(f"cannot run the C++ compiler {cxx!r}: {e.strerror}") from None
+        if r.returncode != 0:
+            errors = [line for line in r.stderr.splitlines() if "error" in line] or r.stderr.splitlines() or ["?"]
+            why = f"compiling {SOURCE.name} failed: {errors[0].strip()}"
+            failed.write_text(why + "\n")
+            tmp.unlink(missing_ok=True)
+            raise BuildError(f"{why} (recorded in {failed}; delete it to retry)")
+        os.replace(tmp, out)  # whole or absent: a rank never loads a half-written library
+    # what earlier sources built for this torch will not be loaded again (a process that has one
+    # loaded keeps it: unlinking a mapped file leaves the mapping)
+    version = out.name.rsplit("-", 1)[0]
+    for old in out.parent.glob(f"{version}-*"):
+        if old.stem != out.stem:
+            old.unlink(missing_ok=True)
+    return out
+
+
+def main() -> None:
+    """``python -m shim.pinned_build``: build now, print the path and how long it took."""
+    start = time.monotonic()
+    try:
+        path = build()
+    except BuildError as e:
+        sys.exit(f"mirage: pinned host allocator not built: {e}")
+    print(f"{path} ({time.monotonic() - start:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()
