@@ -151,14 +151,14 @@ def _topology(ns: argparse.Namespace, command: tuple[str, ...] | None, help_prog
             command=command or (),
         )
         validate(topology)
-        _check_combination(topology)
+        check_combination(topology)
     except UsageError as e:
         raise UsageError(f"{e}; see '{help_prog} --help'") from None
-    _check_command(topology)
+    check_command(topology)
     return topology
 
 
-def _check_combination(topology: Topology) -> None:
+def check_combination(topology: Topology) -> None:
     """Flags that are each fine but contradict each other, and a --report that could never be written."""
     import os
 
@@ -176,7 +176,7 @@ def _check_combination(topology: Topology) -> None:
             raise UsageError(f"--report {topology.report}: cannot write a file there; pick a file in a writable folder")
 
 
-def _check_command(topology: Topology) -> None:
+def check_command(topology: Topology) -> None:
     """Find the program the nodes will run, as they will (their PATH), before anything starts."""
     import os
     import shutil

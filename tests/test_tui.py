@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import os
 import shutil
 import subprocess
@@ -14,7 +15,9 @@ import pytest
 
 pytest.importorskip("textual")
 
-from textual.widgets import Button, DataTable, Input, Log, Static, TextArea, Tree  # noqa: E402
+from rich.console import Console  # noqa: E402
+
+from textual.widgets import Button, DataTable, Input, Log, Static, Switch, TextArea, Tree  # noqa: E402
 
 from mirage_tui import replay  # noqa: E402
 from mirage_tui.app import launch, topology_file  # noqa: E402
@@ -23,12 +26,28 @@ from mirage_tui.app.confirm import ConfirmScreen  # noqa: E402
 from mirage_tui.app.report import ReportScreen  # noqa: E402
 from mirage_tui.app.run_screen import RunScreen  # noqa: E402
 from mirage_tui.app.setup import SetupScreen  # noqa: E402
-from mirage_tui.topology import Topology, UsageError, validate  # noqa: E402
+from mirage_tui.app.stacks_screen import StacksScreen  # noqa: E402
+from mirage_tui.topology import OnHang, Topology, UsageError, validate  # noqa: E402
+from conftest import session_processes  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = REPO_ROOT / "tests" / "fixtures" / "ml"
 #: A recorded demo run (DDP MLP, 2 GPUs, 5 steps), committed so replays are deterministic.
 RECORDED_RUN = REPO_ROOT / "tests" / "fixtures" / "runs" / "ddp-2gpu"
+#: A recorded real run on 32 ranks (4 nodes x 8 GPUs): 32 live ranks take a minute to start on 2 cores.
+RECORDED_32 = REPO_ROOT / "tests" / "fixtures" / "runs" / "allreduce-32gpu"
+#: Two ranks (one per node, launched directly) reduce four 128 MiB tensors at once, BATCHES times: every
+#: all_reduce takes many waves, so several collectives are in flight with their bytes half done.
+BIG_ASYNC_ALLREDUCES = """
+import os, torch, torch.distributed as dist
+torch.cuda.set_device(0)
+dist.init_process_group("nccl")
+tensors = [torch.ones(32 * 2**20, device="cuda") for _ in range(4)]
+for _ in range(int(os.environ.get("BATCHES", "200"))):
+    for work in [dist.all_reduce(t, async_op=True) for t in tensors]:
+        work.wait()
+print("big_async_ok", flush=True)
+"""
 SIZE = (140, 45)
 DEADLINE_S = 60.0
 
@@ -130,7 +149,8 @@ def test_setup_enter_runs_the_demo_then_report_and_replay_match(tmp_path):
         await pilot.press("escape")  # back to the run
         assert app.screen is run
         assert max(_completed_seqs(run), default=0) > 0
-        assert all(label.endswith("exited") for label in _tree_labels(run)), _tree_labels(run)
+        assert all(label.endswith("exited 0") for label in _tree_labels(run)), _tree_labels(run)
+        assert str(run._node_items[0].label) == "node 0 exit 0"
         # selecting rank 1 swaps the log to its output
         tree = run.query_one("#ranks", Tree)
         tree.select_node(run._rank_items[1])
@@ -176,6 +196,31 @@ def test_hang_shows_missing_rank_in_alerts_and_report(tmp_path):
         assert app.outcome.returncode == 124
         await _until_report(app, pilot)
         assert "hang: collective #" in app.screen.text and "missing ranks {1}" in app.screen.text
+        # one key from the alert: the stacks the session took at the hang, the missing rank's first
+        await pilot.press("escape", "h")
+        assert isinstance(app.screen, StacksScreen)
+        first = app.screen.ranks[0]
+        assert (first.rank, first.role) == (1, "missing") and {r.rank for r in app.screen.ranks} == {0, 1}
+        shown = str(app.screen.query_one("#stacks-text", Static).content)
+        assert 'skip_allreduce.py", line 16 in <module>' in shown  # rank 1 sleeps instead of reducing
+        await pilot.press("down")  # rank 0: waiting in the all_reduce rank 1 never joined
+        assert "in all_reduce" in str(app.screen.query_one("#stacks-text", Static).content)
+        await pilot.press("escape")
+        assert app.screen is app.run_screen
+
+    _run_app(app, body)
+
+
+def test_a_rank_that_raised_is_failed_in_the_tree(tmp_path):
+    app = MirageApp(_topology(tmp_path, "ddp_raise.py"))  # rank 1 raises at step 5; torchrun stops rank 0
+
+    async def body(pilot) -> None:
+        await _until(pilot, "the run to finish", lambda: app.outcome is not None)
+        await _until_report(app, pilot)
+        run = app.run_screen
+        assert app.outcome.returncode == 1 and "rank 1 raised" in app.outcome.summary
+        assert _tree_labels(run)[1] == "● rank 1 gpu 1 failed", _tree_labels(run)
+        assert str(run._node_items[0].label) == "node 0 exit 1"
 
     _run_app(app, body)
 
@@ -187,9 +232,11 @@ def test_quit_while_running_tears_the_run_down(tmp_path):
         await _until(pilot, "the run screen", lambda: app.run_screen is not None)
         await _until(pilot, "ranks to register", lambda: len(_tree_labels(app.run_screen)) == 2)
         started = time.monotonic()
-        await pilot.press("s")  # stacks of live ranks land in the alerts pane
-        alerts = app.run_screen.query_one("#alerts-text", Static)
-        await _until(pilot, "the stack dump", lambda: "--- rank 1 stacks ---" in str(alerts.content))
+        await pilot.press("s")  # every live rank's stacks, over the run screen
+        await _until(pilot, "the stack dump", lambda: isinstance(app.screen, StacksScreen))
+        assert [r.rank for r in app.screen.ranks] == [0, 1]
+        assert "skip_allreduce.py" in app.screen.ranks[1].stacks
+        await pilot.press("escape")
         await pilot.press("q")
         assert isinstance(app.screen, ConfirmScreen)  # the run is live: quitting asks first
         await pilot.press("n")
@@ -202,6 +249,81 @@ def test_quit_while_running_tears_the_run_down(tmp_path):
     _run_app(app, body)
     assert app.return_code == 130  # stopped, as a Ctrl-C in batch mode
     assert app.outcome.returncode == 130
+
+
+def test_stop_and_restart_keys_relaunch_the_same_topology(tmp_path):
+    topology = _topology(tmp_path, "skip_allreduce.py", on_hang=OnHang.WAIT)  # rank 1 sleeps for 2 minutes
+    app = MirageApp(topology)
+
+    async def registered(pilot, what: str) -> RunScreen:
+        await _until(pilot, what, lambda: app.run_screen is not None and app.run_screen.is_mounted
+                     and len(_tree_labels(app.run_screen)) == 2)
+        return app.run_screen
+
+    first = second = third = None
+
+    async def body(pilot) -> None:
+        nonlocal first, second, third
+        await _until(pilot, "the run screen", lambda: app.run_screen is not None and app.run_screen.is_mounted)
+        # before any rank registered, the node says so (torch takes seconds to import)
+        assert str(app.run_screen.query_one("#ranks", Tree).root.children[0].label) == "node 0 starting"
+        first = await registered(pilot, "the first run's ranks")
+        assert str(first._node_items[0].label) == "node 0"
+        await pilot.press("R")
+        assert isinstance(app.screen, ConfirmScreen)  # live: restarting asks first
+        await pilot.press("y")
+        await _until(pilot, "the second run", lambda: app.run_screen is not first)
+        second = await registered(pilot, "the second run's ranks")
+        # the first run was stopped cleanly before the second started: nothing of it is left
+        assert first.outcome.returncode == 130
+        assert not session_processes({first.feed.session.run.session})
+        assert second.feed.session.run.path != first.feed.session.run.path
+        assert second.feed.topology == topology
+        await pilot.press("x")
+        assert isinstance(app.screen, ConfirmScreen)
+        await pilot.press("y")
+        await _until_report(app, pilot)
+        assert second.outcome.returncode == 130 and "stopped from the console" in app.screen.text
+        await pilot.press("R")  # from the report: the same topology once more
+        third = await registered(pilot, "the third run's ranks")
+        assert third is not second and isinstance(app.screen, RunScreen)
+        await pilot.press("x", "y")
+        await _until_report(app, pilot)
+        # N: back to the form, filled with this topology, to change it and start another run
+        await pilot.press("N")
+        assert isinstance(app.screen, SetupScreen) and app.run_screen is None
+        assert app.screen.topology == topology
+        await pilot.press("q")  # nothing runs: no question
+
+    _run_app(app, body)
+    assert app.return_code == 0
+    assert not session_processes({run.feed.session.run.session for run in (first, second, third)})
+
+
+def test_a_progress_bar_for_every_collective_in_flight(tmp_path, monkeypatch):
+    monkeypatch.setenv("BATCHES", "1000")  # more than the test needs: it stops the run itself
+    app = MirageApp(Topology(num_nodes=2, log_dir=str(tmp_path), command=(sys.executable, "-c", BIG_ASYNC_ALLREDUCES)))
+
+    def bars() -> list[str]:
+        """The pane's collective lines (after the throughput line) while several are partly done."""
+        lines = str(app.run_screen.query_one("#inflight", Static).content).splitlines()[1:]
+        return lines if len(lines) >= 2 and any(" 0%" not in line for line in lines) else []
+
+    async def body(pilot) -> None:
+        await _until(pilot, "the run screen", lambda: app.run_screen is not None)
+        await _until(pilot, "several collectives in flight, bytes done", bars)
+        seen = bars()
+        assert all("allreduce" in line and "of 128.0 MiB" in line and "░" in line for line in seen), seen
+        await _until(pilot, "a completed collective's throughput",
+                     lambda: "throughput" in str(app.run_screen.query_one("#inflight", Static).content)
+                     and " 0 B/s" not in str(app.run_screen.query_one("#inflight", Static).content))
+        grid = app.run_screen.query_one("#collectives", DataTable)
+        assert any(row[6] == "128.0 MiB" for row in map(grid.get_row, grid.rows))  # the size column
+        await pilot.press("x", "y")
+        await _until(pilot, "the run to stop", lambda: app.outcome is not None)
+        assert app.outcome.returncode == 130
+
+    _run_app(app, body)
 
 
 def test_kill_rank_from_the_console_shows_the_dead_peer(tmp_path):
@@ -224,6 +346,7 @@ def test_kill_rank_from_the_console_shows_the_dead_peer(tmp_path):
         await _until_report(app, pilot)
         assert "dead peer: communicator" in app.screen.text, app.screen.text
         assert "killed rank 1 (pid" in str(run.query_one("#alerts-text", Static).content)
+        assert _tree_labels(run)[1].endswith("rank 1 gpu 0 failed")  # on node 1's only GPU
 
     _run_app(app, body)
 
@@ -258,7 +381,7 @@ def test_replay_skips_and_counts_garbage_lines(tmp_path):
 
         _run_app(app, body)
     assert states[0] == states[1]
-    assert all(label.endswith("exited") for label in states[0][0])
+    assert all(label.endswith("exited 0") for label in states[0][0])
 
 
 def test_replay_pause_step_and_speed_keys(tmp_path):
@@ -284,9 +407,16 @@ def test_replay_pause_step_and_speed_keys(tmp_path):
         assert player.speed == 2.0
         bar = str(app.run_screen.query_one("#replay-bar", Static).content)
         assert "paused at 2x" in bar and f"event {at + 2} of {player.total}" in bar
+        # R plays it again from the start, on a fresh screen; the old one's player is stopped
+        old = app.run_screen
+        await pilot.press("R")
+        await _until(pilot, "the replay to start over", lambda: app.run_screen is not old and app.run_screen.is_mounted)
+        assert old.feed.player.position == at + 2 and not old.feed.running
+        player = app.run_screen.feed.player
+        assert not player.paused and player.position < at + 2
         player.speed = 0  # the rest as fast as possible
-        await pilot.press("space")
         await _replay_to_end(app, pilot)
+        assert old.outcome is None  # its last messages went nowhere: no report of the abandoned replay
 
     _run_app(app, body)
 
@@ -304,6 +434,76 @@ def test_flight_recorder_dump_of_a_replay_holds_the_events_played(tmp_path):
 
     _run_app(app, body)
     assert sorted(p.name for p in (run_dir / "flight-recorder").iterdir()) == ["nccl_trace_rank_0", "nccl_trace_rank_1"]
+
+
+def test_32_ranks_are_navigable_in_the_tree_and_the_grid():
+    app = MirageApp(recording=replay.load(str(RECORDED_32)), speed=0)
+
+    async def body(pilot) -> None:
+        screen = await _replay_to_end(app, pilot)
+        await pilot.press("escape")
+        tree = screen.query_one("#ranks", Tree)
+        assert [str(node.label) for node in tree.root.children] == [f"node {n} exit 0" for n in range(4)]
+        assert [leaf.data for node in tree.root.children for leaf in node.children] == \
+            [("rank", r) for r in range(32)]  # sorted, though they registered in any order
+        assert all(label.endswith("exited 0") for label in _tree_labels(screen))
+        # keys alone reach the last rank: shift+down from node to node, then down to its last rank
+        tree.focus()
+        tree.move_cursor(tree.root.children[0])
+        await pilot.press("shift+down", "shift+down", "shift+down")
+        assert tree.cursor_node.data == ("node", 3)
+        await pilot.press(*["down"] * 8, "enter")
+        assert tree.cursor_node.data == ("rank", 31)
+        assert screen.query_one("#output", Log).border_title == "rank 31 output"
+        assert "[rank 31] allreduce_loop_ok" in screen.query_one("#output", Log).lines
+        assert tree.scroll_y > 0  # the tree scrolled to keep the cursor in view
+        # the grid has a row per rank; enter on one picks that rank in the tree
+        grid = screen.query_one("#collectives", DataTable)
+        assert grid.row_count == 32 and {int(grid.get_row(k)[4]) for k in grid.rows} == {10}
+        grid.focus()
+        await pilot.press("ctrl+home", *["down"] * 5, "enter")
+        assert tree.cursor_node.data == ("rank", 5) and screen.query_one("#output", Log).border_title == "rank 5 output"
+        # and the mouse: a click on a rank's line in the tree (under the border: node 0, rank 0, rank 1, ...)
+        tree.scroll_home(animate=False)
+        await pilot.pause(0.1)
+        await pilot.click("#ranks", offset=(12, 3))
+        assert screen.query_one("#output", Log).border_title == "rank 1 output"
+
+    _run_app(app, body)
+
+
+def test_help_screen_and_palette_list_the_keys():
+    app = MirageApp(recording=replay.load(str(RECORDED_RUN)), speed=0)
+
+    async def body(pilot) -> None:
+        screen = await _replay_to_end(app, pilot)
+        await pilot.press("escape", "question_mark")
+        from mirage_tui.app.help_screen import HelpScreen
+
+        assert isinstance(app.screen, HelpScreen)
+        text = app.screen.query_one("#help-text", Static)
+        console = Console(width=120, file=io.StringIO(), record=True)
+        console.print(text.content)
+        rendered = console.export_text()
+        for key, name in (("k", "Kill rank"), ("s", "Stacks"), ("d", "FR dump"), ("h", "Hang stacks"),
+                          ("x", "Stop"), ("R", "Restart"), ("ctrl+s", "Start"), ("q", "Quit"), ("t", "Theme")):
+            assert any(line.split()[:len(name.split()) + 1] == [key, *name.split()]
+                       for line in rendered.splitlines()), (key, name)
+        await pilot.press("question_mark")
+        assert app.screen is screen
+        # the palette offers what works here and now: a finished replay can be restarted, not killed
+        titles = [c.title for c in app.get_system_commands(screen)]
+        assert "Restart (R)" in titles and "FR dump (d)" in titles and "Quit (q)" in titles
+        assert "Quit" not in titles and "Theme" not in titles  # Textual's own, which ours replace
+        assert not any(t.startswith(("Kill rank", "Stop", "Hang stacks", "Pause")) for t in titles)
+        # and picking one in the palette does what its key does
+        await pilot.press("ctrl+p", *"restart")
+        await pilot.pause(0.5)  # the palette gathers its commands in the background
+        await pilot.press("down", "enter")
+        await _until(pilot, "the replay to start again", lambda: app.run_screen is not screen)
+        await _replay_to_end(app, pilot)
+
+    _run_app(app, body)
 
 
 def test_player_honours_recorded_gaps():
@@ -351,6 +551,28 @@ def test_setup_validates_with_the_cli_rules_and_loads_toml(tmp_path):
         form.query_one("#env", TextArea).text = "1BAD=x"
         await pilot.pause(0.1)
         assert "not a valid environment variable name" in str(error.content)
+        form.query_one("#env", TextArea).text = ""
+        # the command line's checks of the program and of flags that contradict each other
+        command = form.query_one("#command", Input)
+        generated = command.value
+        command.value = "no-such-program-here x.py"
+        await pilot.pause(0.1)
+        assert "command not found: no-such-program-here" in str(error.content) and start.disabled
+        command.value = generated
+        form.query_one("#nodes", Input).value = "2"
+        form.query_one("#in-process", Switch).value = True
+        await pilot.pause(0.1)
+        assert "--in-process runs without the daemon, so it cannot join --num-nodes 2" in str(error.content)
+        form.query_one("#in-process", Switch).value = False
+        form.query_one("#nodes", Input).value = "1"
+        await pilot.pause(0.1)
+        assert not start.disabled, str(error.content)
+        # file completion in the command field: the right arrow takes the suggestion
+        command.focus()
+        command.value = f"python {FIXTURES}/ddp_m"
+        await pilot.pause(0.2)
+        await pilot.press("right")
+        assert command.value == f"python {FIXTURES}/ddp_mlp.py"
         form.query_one("#load-path", Input).value = str(saved)
         await pilot.click("#load")
         await pilot.pause(0.1)
@@ -496,7 +718,7 @@ def test_gpu_pane_shows_memory_reports_with_history():
     _run_app(app, body)
 
 
-def test_traffic_line_shows_collectives_in_flight_and_throughput():
+def test_traffic_shows_every_collective_in_flight_and_throughput():
     from emulator import schema as s
     from mirage_tui.app.traffic import Traffic
 
@@ -505,8 +727,22 @@ def test_traffic_line_shows_collectives_in_flight_and_throughput():
     for e in (s.CollectiveCompleted(t=100.2, comm="c" * 16, seq=1, total_bytes=4 * mib),
               s.CollectiveCompleted(t=102.5, comm="c" * 16, seq=2, total_bytes=8 * mib),
               s.CollectiveStarted(t=102.6, comm="c" * 16, seq=3, total_bytes=64 * mib),
+              s.CollectiveStarted(t=102.6, comm="d" * 16, seq=1, op=s.CollOp.ALLGATHER, total_bytes=32 * mib),
               s.CollectiveProgress(t=102.7, comm="c" * 16, seq=3, done_bytes=16 * mib, total_bytes=64 * mib),
+              s.CollectiveProgress(t=102.8, comm="d" * 16, seq=1, done_bytes=24 * mib, total_bytes=32 * mib),
               s.OutputLine(t=102.8, rank=0, text="not traffic")):
         traffic.apply(e)
-    # one character per second (the idle second 101 included), the last second's rate, then the wave's progress
-    assert traffic.line() == ("throughput ▄ █ 8.0 MiB/s · in flight: allreduce #3 of cccccccc ██░░░░░░░░ 25%")
+    # one character per second (the idle second 101 included), the last second's rate
+    assert traffic.throughput() == "throughput ▄ █ 8.0 MiB/s"
+    # a bar per collective in flight, in the order they started, with bytes done and age
+    assert traffic.lines(now=103.6) == [
+        "allreduce      #3     cccccccc █████░░░░░░░░░░░░░░░  25% 16.0 MiB of 64.0 MiB, 1.0 s",
+        "allgather      #1     dddddddd ███████████████░░░░░  75% 24.0 MiB of 32.0 MiB, 1.0 s",
+    ]
+    traffic.apply(s.CommFailed(t=104, comm="d" * 16, code="ncclRemoteError", message="peer gone"))
+    traffic.apply(s.CollectiveCompleted(t=104.5, comm="c" * 16, seq=3, total_bytes=64 * mib))
+    assert traffic.lines(now=105) == []
+    assert traffic.throughput() == "throughput   ▁ █ 64.0 MiB/s"  # seconds 100 to 104, scaled to the top one
+    # a live run's idle seconds count as zero once the clock passes them
+    assert traffic.advance(now=106.2) and traffic.throughput() == "throughput   ▁ █  0 B/s"
+    assert not traffic.advance(now=106.9)

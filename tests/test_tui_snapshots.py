@@ -11,6 +11,7 @@ look at the SVGs under ``tests/__snapshots__/``, and refresh the PNGs in
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,8 @@ from mirage_tui.topology import Topology  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RECORDED_RUN = "tests/fixtures/runs/ddp-2gpu"  # relative: the snapshot shows the path as given
+RECORDED_HANG = "tests/fixtures/runs/hang-2gpu"
+RECORDED_32 = "tests/fixtures/runs/allreduce-32gpu"
 SIZE = (140, 45)
 DEMO = Topology(gpus_per_node=2, command=("torchrun", "--standalone", "--nproc_per_node=2",
                                           "tests/fixtures/ml/ddp_mlp.py"))
@@ -31,9 +34,11 @@ DEMO = Topology(gpus_per_node=2, command=("torchrun", "--standalone", "--nproc_p
 
 @pytest.fixture(autouse=True)
 def fixed_surroundings(monkeypatch):
-    """Paths relative to the repository root; no animation; colour on whatever the caller's terminal says."""
+    """Paths relative to the repository root; no animation; colour on whatever the caller's terminal says;
+    torchrun on PATH (the form checks the command as the command line does) even in a venv not activated."""
     monkeypatch.chdir(REPO_ROOT)
     monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.setenv("PATH", os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
 
 
 def _app(**kw) -> MirageApp:
@@ -72,6 +77,43 @@ def test_report_screen(snap_compare):
     assert snap_compare(app, terminal_size=SIZE, run_before=_until_report)
 
 
-def test_recording_is_relative():
+async def _back_to_the_run(pilot, *keys: str) -> None:
+    """From the report back to the Run screen, then ``keys``."""
+    await _until_report(pilot)
+    await pilot.press("escape", *keys)
+    await pilot.pause(0.2)
+
+
+def test_hang_stacks_screen(snap_compare):
+    # the alert's key: the stacks the session took at the hang, the missing rank's first
+    app = _app(recording=replay.load(RECORDED_HANG), speed=0)
+    assert snap_compare(app, terminal_size=SIZE, run_before=lambda pilot: _back_to_the_run(pilot, "h"))
+
+
+def test_run_screen_with_a_hang(snap_compare):
+    async def to_the_hang_alert(pilot) -> None:
+        await _back_to_the_run(pilot)
+        pilot.app.screen.query_one("#alerts").scroll_home(animate=False)  # the hang report, not the run's end
+        await pilot.pause(0.1)
+
+    app = _app(recording=replay.load(RECORDED_HANG), speed=0)
+    assert snap_compare(app, terminal_size=SIZE, run_before=to_the_hang_alert)
+
+
+def test_run_screen_32_ranks(snap_compare):
+    app = _app(recording=replay.load(RECORDED_32), speed=0)
+    assert snap_compare(app, terminal_size=SIZE, run_before=_back_to_the_run)
+
+
+def test_help_screen(snap_compare):
+    app = _app(recording=replay.load(RECORDED_RUN), speed=0)
+    assert snap_compare(app, terminal_size=SIZE, run_before=lambda pilot: _back_to_the_run(pilot, "question_mark"))
+
+
+def test_recordings_are_relative():
     # snapshots must not depend on where the repository is checked out
-    assert not os.path.isabs(RECORDED_RUN) and "/tmp/" not in (REPO_ROOT / RECORDED_RUN / "events.jsonl").read_text()
+    for run in (RECORDED_RUN, RECORDED_HANG, RECORDED_32):
+        assert not os.path.isabs(run)
+        for name in ("events.jsonl", "hang-report.json"):
+            path = REPO_ROOT / run / name
+            assert not path.exists() or not any(p in path.read_text() for p in ("/tmp/", str(REPO_ROOT))), path

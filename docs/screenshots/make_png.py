@@ -16,7 +16,9 @@ import cairosvg
 
 ROOT = Path(__file__).resolve().parents[2]
 SNAPSHOTS = ROOT / "tests" / "__snapshots__" / "test_tui_snapshots"
-SCREENS = {"setup": "test_setup_screen", "run": "test_run_screen", "report": "test_report_screen"}
+SCREENS = {"setup": "test_setup_screen", "run": "test_run_screen", "report": "test_report_screen",
+           "run-hang": "test_run_screen_with_a_hang", "hang-stacks": "test_hang_stacks_screen",
+           "run-32-ranks": "test_run_screen_32_ranks", "help": "test_help_screen"}
 
 
 def main() -> None:

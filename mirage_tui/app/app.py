@@ -7,14 +7,18 @@ through typed messages (:mod:`mirage_tui.app.messages`).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from functools import partial
 from typing import ClassVar
 
-from textual.app import App
+from textual.app import App, SystemCommand
 from textual.binding import Binding, BindingType
+from textual.screen import Screen
 
 from mirage_tui.app import topology_file
 from mirage_tui.app.confirm import ConfirmScreen
 from mirage_tui.app.feeds import STOPPED_EXIT, LiveFeed, ReplayFeed
+from mirage_tui.app.help_screen import HelpScreen
 from mirage_tui.app.report import ReportScreen
 from mirage_tui.app.run_screen import RunScreen
 from mirage_tui.app.setup import SetupScreen
@@ -30,9 +34,9 @@ class MirageApp(App[int]):
     CSS_PATH = "mirage.tcss"
     TITLE = "mirage"
     BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("q", "quit", "Quit"),
-        Binding("t", "cycle_theme", "Theme"),
-        Binding("question_mark", "help", "Help", key_display="?"),
+        Binding("q", "quit", "Quit", tooltip="quit; a live run is stopped first (asks), no process is left"),
+        Binding("t", "cycle_theme", "Theme", tooltip="the next theme: dark, high contrast, light"),
+        Binding("question_mark", "help", "Help", key_display="?", tooltip="every key of every screen"),
     ]
 
     def __init__(
@@ -62,6 +66,7 @@ class MirageApp(App[int]):
         #: The Run screen, once there is one.
         self.run_screen: RunScreen | None = None
         self._quitting = False
+        self._restarting = False  # a stop asked for by restart: the next RunFinished starts the run again
         self._theme_names: list[str] = []
 
     @property
@@ -91,10 +96,15 @@ class MirageApp(App[int]):
 
     def _show_run(self, screen: RunScreen) -> None:
         self.run_screen = screen
-        if isinstance(self.screen, SetupScreen):
+        if isinstance(self.screen, (SetupScreen, RunScreen)):  # a run replaces the form, or the run before it
             self.switch_screen(screen)
         else:
             self.push_screen(screen)
+
+    def _back_to_run_screen(self) -> None:
+        """Close whatever is over the Run screen (the report, a question, stacks)."""
+        while self.screen is not self.run_screen and len(self.screen_stack) > 1:
+            self.pop_screen()
 
     def launch(self, topology: Topology) -> None:
         """Start ``topology``'s run on the Run screen; remember it for the next Setup form."""
@@ -112,6 +122,10 @@ class MirageApp(App[int]):
         if self._quitting:
             self.exit(o.returncode, return_code=o.returncode)
             return
+        if self._restarting:
+            self._restarting = False
+            self._start_again(screen)
+            return
         if isinstance(self.screen, ConfirmScreen):
             self.pop_screen()  # a question about the live run (kill, quit) has no object any more
         skipped = self.recording.skipped if self.recording else 0
@@ -121,6 +135,64 @@ class MirageApp(App[int]):
         """Tear the run (or replay) down and wait for it (safe to call twice)."""
         if self.run_screen is not None:
             self.run_screen.feed.stop(timeout)
+
+    def restart(self) -> None:
+        """Run the current topology again (a live run is stopped cleanly first, after a yes); a replay restarts."""
+        screen = self.run_screen
+        assert screen is not None
+        if screen.replaying or screen.outcome is not None or not screen.feed.running:
+            if screen.replaying:
+                screen.feed.stop()  # the player ends at once; its RunFinished goes to a screen on its way out
+            self._start_again(screen)
+            return
+        if self._restarting:
+            return
+
+        def answered(yes: bool | None) -> None:
+            if not yes:
+                return
+            if screen.outcome is not None:  # the run ended while the question was up
+                self._start_again(screen)
+                return
+            self._restarting = True
+            screen.feed.stop(timeout=0)  # asks; the RunFinished it posts when every process is gone restarts
+            screen.sub_title = "stopping the run to restart it..."
+            self.notify("stopping the run; it starts again when every process is gone")
+
+        self.push_screen(ConfirmScreen("The run is live. Stop it and start it again?"), answered)
+
+    def _start_again(self, old: RunScreen) -> None:
+        self._back_to_run_screen()
+        if isinstance(old.feed, ReplayFeed):
+            self._show_run(RunScreen(ReplayFeed(old.feed.recording, self.speed), old.title_text))
+        else:
+            assert isinstance(old.feed, LiveFeed)
+            self.launch(old.feed.topology)
+
+    def new_run(self) -> None:
+        """Back to the Setup form, filled with the finished run's topology, to start another."""
+        screen = self.run_screen
+        assert screen is not None and isinstance(screen.feed, LiveFeed) and screen.outcome is not None
+        self._back_to_run_screen()
+        self.run_screen = None
+        topology = screen.feed.topology
+        self.switch_screen(SetupScreen(topology, self.demo or topology, self.last_path))
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        """The command palette: every key the screen (and the app) offers right now, then Textual's own."""
+        ours = set()
+        for owner in (screen, self):
+            for binding in owner.BINDINGS:
+                assert isinstance(binding, Binding)  # ours are all Binding instances
+                target, _, name = binding.action.rpartition(".")
+                if (self if target == "app" else owner).check_action(name, ()) is not True:
+                    continue  # not available here and now (a live-run key during a replay, ...)
+                ours.add(binding.description)
+                key = binding.key_display or binding.key
+                yield SystemCommand(f"{binding.description} ({key})", binding.tooltip or binding.description,
+                                    partial(owner.run_action, binding.action))
+        # Textual's Quit and Theme would duplicate ours (its Theme picks among themes without rank colours)
+        yield from (c for c in super().get_system_commands(screen) if c.title not in ours)
 
     # ------------------------------------------------------------ actions
 
@@ -162,11 +234,11 @@ class MirageApp(App[int]):
         self.notify(f"theme: {self.theme}")
 
     def action_help(self) -> None:
-        """Toggle Textual's key help panel."""
-        if self.screen.query("HelpPanel"):
-            self.action_hide_help_panel()
+        """Show the help screen: every key of every screen (again: close it)."""
+        if isinstance(self.screen, HelpScreen):
+            self.pop_screen()
         else:
-            self.action_show_help_panel()
+            self.push_screen(HelpScreen())
 
     def on_unmount(self) -> None:
         """However the app ends, no process of the run may outlive it."""

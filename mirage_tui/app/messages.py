@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from textual.message import Message
 
+from mirage_tui.app.hang_stacks import RankStacks
 from mirage_tui.session import Outcome
 
 
@@ -29,6 +30,15 @@ class AlertReady(Message):
     def __init__(self, text: str) -> None:
         super().__init__()
         self.text = text
+
+
+class StacksReady(Message):
+    """A stack dump of the run's ranks finished (the ``s`` key): ``ranks`` answered."""
+
+    def __init__(self, title: str, ranks: list[RankStacks]) -> None:
+        super().__init__()
+        self.title = title
+        self.ranks = ranks
 
 
 class ReplayProgress(Message):

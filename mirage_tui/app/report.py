@@ -21,8 +21,12 @@ class ReportScreen(Screen):
     """The summary of a finished run (exit codes, durations, findings, log paths)."""
 
     BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("o", "open_run_dir", "Open run dir"),
-        Binding("escape,r", "app.pop_screen", "Back to the run", key_display="esc"),
+        Binding("o", "open_run_dir", "Open run dir",
+                tooltip="show the run directory's path; open it with xdg-open where there is one"),
+        Binding("escape,r", "app.pop_screen", "Back to the run", key_display="esc",
+                tooltip="back to the Run screen (esc or r)"),
+        Binding("R", "restart", "Restart", tooltip="start the same topology again (a replay: from the start)"),
+        Binding("N", "new_run", "New run", tooltip="back to the Setup form, filled with this run's topology"),
     ]
 
     def __init__(self, summary: Summary, outcome: Outcome, run_dir: str, skipped: int = 0) -> None:
@@ -46,6 +50,21 @@ class ReportScreen(Screen):
         theme = self.app.current_theme
         colour = (theme.success if ok else theme.error) or ""
         self.query_one("#report-text", Static).update(Text.assemble((head, f"bold {colour}"), "\n", rest))
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """A new run from the form only after a live run (a replay has no form to go back to)."""
+        if action == "new_run":
+            screen = self.app.run_screen
+            return screen is not None and not screen.replaying
+        return True
+
+    def action_restart(self) -> None:
+        """Start the same topology (or the same replay) again."""
+        self.app.restart()
+
+    def action_new_run(self) -> None:
+        """Back to the Setup form, filled with this run's topology."""
+        self.app.new_run()
 
     def action_open_run_dir(self) -> None:
         """Show the run directory's path, and open it in the desktop's file manager where there is one."""

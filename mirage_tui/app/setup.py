@@ -2,8 +2,10 @@
 
 Every change rebuilds a :class:`~mirage_tui.topology.Topology` from the form and
 runs :func:`~mirage_tui.topology.validate` on it (and :func:`parse_env` on each
-env line), so the form accepts exactly what ``mirage run`` accepts and shows the
-same one-line message when it does not.
+env line), then the command line's own checks of flags that contradict each
+other and of the program (:func:`~mirage_tui.cli.check_combination`,
+:func:`~mirage_tui.cli.check_command`), so the form accepts exactly what
+``mirage run`` accepts and shows the same one-line message when it does not.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from textual.widgets import Button, Footer, Header, Input, Label, Select, Static
 
 from emulator.profiles import ProfileError, load_profile, profile_names
 from mirage_tui.app import launch, topology_file
+from mirage_tui.app.completion import PathSuggester
+from mirage_tui.cli import check_combination, check_command
 from mirage_tui.topology import Topology, UsageError, parse_env, parse_size, validate
 
 _LAUNCH_FORMS = [("torchrun on every node", launch.TORCHRUN), ("direct: one process per node", launch.DIRECT)]
@@ -62,9 +66,9 @@ class SetupScreen(Screen):
 
     AUTO_FOCUS = "#start"
     BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("ctrl+s", "start", "Start"),
-        Binding("ctrl+l", "load", "Load TOML"),
-        Binding("ctrl+d", "demo", "Demo"),
+        Binding("ctrl+s", "start", "Start", tooltip="start the run (so does Enter on Start or in a field)"),
+        Binding("ctrl+l", "load", "Load TOML", tooltip="fill the form from the topology TOML in the load field"),
+        Binding("ctrl+d", "demo", "Demo", tooltip="fill the form with the bundled DDP demo"),
     ]
 
     def __init__(self, initial: Topology, demo: Topology, load_path: str = topology_file.LAST_PATH) -> None:
@@ -94,7 +98,8 @@ class SetupScreen(Screen):
                 yield Select(_LAUNCH_FORMS, value=launch.launch_form(t.command), allow_blank=False, id="launch")
             with Horizontal(classes="row"):
                 yield Label("command", classes="field")
-                yield Input(shlex.join(t.command), placeholder="python train.py", id="command")
+                yield Input(shlex.join(t.command), placeholder="python train.py (→ completes a file name)",
+                            suggester=PathSuggester(), id="command")
             with Horizontal(classes="row env-row"):
                 yield Label("env\nKEY=VALUE\none a line", classes="field")
                 yield TextArea("\n".join(f"{k}={v}" for k, v in t.env), id="env")
@@ -153,6 +158,8 @@ class SetupScreen(Screen):
             command=command,
         )
         validate(topology)
+        check_combination(topology)
+        check_command(topology)
         return topology
 
     def _check(self) -> None:

@@ -18,7 +18,8 @@ THEMES_DIR = Path(__file__).resolve().parents[1] / "themes"
 DEFAULT_THEME = "mirage-dark"
 #: The theme variable the rank tree colours each rank state with; every theme file must set them all.
 RANK_STATE_VARIABLES = {"running": "rank-running", "in collective": "rank-collective", "stuck": "rank-stuck",
-                        "missing": "rank-missing", "exited": "rank-exited"}
+                        "missing": "rank-missing", "exited 0": "rank-exited", "exited": "rank-exited",
+                        "failed": "rank-failed"}
 _FIELDS = ("primary", "secondary", "accent", "background", "surface", "panel", "foreground",
            "error", "warning", "success", "boost")
 

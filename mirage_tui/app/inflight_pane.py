@@ -1,0 +1,26 @@
+"""The Run screen's traffic pane: the throughput sparkline, then a progress bar per collective in flight."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.widgets import Static
+
+from mirage_tui.app.traffic import Traffic
+
+
+class InFlightPane(Static):
+    """Draws a :class:`Traffic` fold: throughput first, then every collective the daemon is reducing."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__("no collective yet", markup=False, **kwargs)
+
+    def redraw(self, traffic: Traffic, now: float) -> None:
+        """Draw ``traffic`` with ages as of ``now`` (the run's clock: a replay's is its events')."""
+        lines = traffic.lines(now)
+        head = Text(traffic.throughput(), style="bold")
+        if not lines:
+            self.update(Text.assemble(head, "\nno collective in flight"))
+            return
+        head.append(f" · {len(lines)} in flight", style="")
+        accent = self.app.current_theme.accent or ""
+        self.update(Text("\n").join([head, *(Text(line, style=accent) for line in lines)]))
