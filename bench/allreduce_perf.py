@@ -1,12 +1,15 @@
 """all_reduce bandwidth: emulated RCCL (cuda tensors, through the daemon) vs gloo (CPU tensors), same run.
 
     python bench/allreduce_perf.py --ranks 2 4
+    python bench/allreduce_perf.py --ranks 2 --transport shm socket --max-bytes 64MiB
 
 Prints, per rank count, a table in the shape of nccl-tests' all_reduce_perf
-(size, count, type, time, algbw, busbw) for both, with the ratio of bus
-bandwidths; the machine's memcpy bandwidth measured in the same run (the
-physical ceiling of a shared-memory transport); and the daemon's CPU time per
-GB reduced.
+(size, count, type, time, algbw, busbw) for each emulated transport and for
+gloo, with the ratio of bus bandwidths; the machine's memcpy bandwidth measured
+in the same run (the physical ceiling of a shared-memory transport); and the
+daemon's CPU time. ``--transport socket`` runs the emulated NCCL with
+``NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1``, so its bytes travel as ZeroMQ frames
+(NET/Socket) instead of through shared memory.
 """
 
 from __future__ import annotations
@@ -36,11 +39,17 @@ def memcpy_gbps(nbytes: int = 256 << 20, reps: int = 5) -> float:
     return nbytes * reps / (time.perf_counter() - start) / 1e9
 
 
-def run(ranks: int) -> tuple[list[dict], float | None]:
+#: what each emulated transport needs from the environment (RCCL's own switches)
+TRANSPORT_ENV = {"shm": [], "socket": ["--env", "NCCL_P2P_DISABLE=1", "--env", "NCCL_SHM_DISABLE=1"]}
+
+
+def run(ranks: int, transport: str, max_bytes: int) -> tuple[list[dict], float | None]:
+    """One mirage run of the worker: its rows (one per size) and the daemon's CPU seconds."""
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]))
         r = subprocess.run(
-            [sys.executable, "-m", "mirage_tui", "run", "--log-dir", tmp, "--gpus-per-node", str(ranks), "--",
+            [sys.executable, "-m", "mirage_tui", "run", "--log-dir", tmp, "--gpus-per-node", str(ranks),
+             "--env", f"ALLREDUCE_MAX_BYTES={max_bytes}", *TRANSPORT_ENV[transport], "--",
              "torchrun", "--standalone", f"--nproc_per_node={ranks}", str(ROOT / "bench/allreduce_worker.py")],
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800,
         )
@@ -60,28 +69,48 @@ def human(n: int) -> str:
     return f"{n}TiB"
 
 
+def parse_bytes(text: str) -> int:
+    """``64MiB``, ``2KiB``, ``8`` -> bytes."""
+    m = re.fullmatch(r"(\d+)\s*(B|KiB|MiB|GiB)?", text.strip())
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 64MiB)")
+    return int(m.group(1)) << {"B": 0, None: 0, "KiB": 10, "MiB": 20, "GiB": 30}[m.group(2)]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--transport", nargs="+", choices=sorted(TRANSPORT_ENV), default=["shm"],
+                   help="emulated transports to measure, one run each (gloo is measured in each run; "
+                        "the table shows the first run's)")
+    p.add_argument("--max-bytes", type=parse_bytes, default=256 << 20, help="largest size (default 256MiB)")
     a = p.parse_args()
     ceiling = memcpy_gbps()
     print(f"memcpy bandwidth (numpy, 256 MiB, this machine): {ceiling:.2f} GB/s")
     for ranks in a.ranks:
-        rows, cpu = run(ranks)
+        runs = {t: run(ranks, t, a.max_bytes) for t in a.transport}
+        rows = {t: rs for t, (rs, _) in runs.items()}
+        gloo = rows[a.transport[0]]
         factor = 2 * (ranks - 1) / ranks  # busbw = algbw x 2(n-1)/n, as nccl-tests define it
-        print(f"\n# all_reduce, {ranks} ranks, float sum (emulated nccl on cuda vs gloo on cpu)")
-        print(f"{'size':>9} {'count':>10} {'type':>6} | {'nccl us':>10} {'algbw':>7} {'busbw':>7} | "
-              f"{'gloo us':>10} {'algbw':>7} {'busbw':>7} | {'busbw x':>7} {'of memcpy':>9}")
-        total_bytes = 0.0
-        for row in rows:
+        print(f"\n# all_reduce, {ranks} ranks, float sum (emulated nccl on cuda per transport, gloo on cpu)")
+        head = f"{'size':>9} {'count':>10} {'type':>6} |"
+        for t in [*a.transport, "gloo"]:
+            head += f" {t + ' us':>10} {'algbw':>7} {'busbw':>7} |"
+        head += "".join(f" {t + '/gloo':>11}" for t in a.transport) + f" {'best of memcpy':>14}"
+        print(head)
+        for i, row in enumerate(gloo):
             n = row["bytes"]
-            alg_n, alg_g = n / row["nccl_s"] / 1e9, n / row["gloo_s"] / 1e9
-            print(f"{human(n):>9} {row['count']:>10} {'float':>6} | {row['nccl_s'] * 1e6:10.1f} {alg_n:7.2f} "
-                  f"{alg_n * factor:7.2f} | {row['gloo_s'] * 1e6:10.1f} {alg_g:7.2f} {alg_g * factor:7.2f} | "
-                  f"{alg_n / alg_g:7.2f} {alg_n * factor / ceiling:8.0%}")
-            total_bytes += n
-        if cpu is not None:
-            print(f"daemon CPU time: {cpu:.2f} s for the whole run (all sizes, warm-ups and iterations)")
+            line = f"{human(n):>9} {row['count']:>10} {'float':>6} |"
+            times = [rows[t][i]["nccl_s"] for t in a.transport] + [row["gloo_s"]]
+            for sec in times:
+                alg = n / sec / 1e9
+                line += f" {sec * 1e6:10.1f} {alg:7.2f} {alg * factor:7.2f} |"
+            line += "".join(f" {row['gloo_s'] / sec:11.2f}" for sec in times[:-1])
+            line += f" {n / min(times[:-1]) / 1e9 * factor / ceiling:13.0%}"
+            print(line)
+        for t, (_, cpu) in runs.items():
+            if cpu is not None:
+                print(f"daemon CPU time ({t}): {cpu:.2f} s for the whole run (all sizes, warm-ups and iterations)")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 
 SIZES = [8 << (2 * i) for i in range(13)] + [256 << 20]  # 8 B ... 128 MiB, 256 MiB
+#: the largest size to time (bench/allreduce_perf.py --max-bytes)
+MAX_BYTES = int(os.environ.get("ALLREDUCE_MAX_BYTES", str(SIZES[-1])))
 
 
 def timed(fn, iters: int) -> float:
@@ -27,7 +29,7 @@ def main() -> None:
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl")
     gloo = dist.new_group(backend="gloo")
-    for nbytes in SIZES:
+    for nbytes in (n for n in SIZES if n <= MAX_BYTES):
         count = max(1, nbytes // 4)
         iters = max(2, min(200, (64 << 20) // max(nbytes, 1)))
         x = torch.ones(count, device="cuda")

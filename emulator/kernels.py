@@ -41,10 +41,48 @@ def itemsize(dtype: str) -> int:
         raise KernelError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}") from None
 
 
-def typed(raw: np.ndarray, dtype: str) -> np.ndarray:
-    """View a uint8 buffer as elements of ``dtype`` (bfloat16 as uint16)."""
+def typed(raw, dtype: str):
+    """View a uint8 buffer (or :class:`Segmented` buffers) as elements of ``dtype`` (bfloat16 as uint16)."""
     itemsize(dtype)
     return raw.view(DTYPES[dtype])
+
+
+class Segmented:
+    """Consecutive buffers read as one flat array: a tensor that arrived in several data frames.
+
+    Kernels only slice their inputs (``x[a:b]``); a slice inside one segment is
+    a view, and one across a boundary (at most one per frame, frames being
+    16 MiB) is a small copy. This spares the daemon a copy of every large
+    input into one contiguous buffer.
+    """
+
+    def __init__(self, parts: list[np.ndarray]):
+        self.parts = parts
+        self.starts = np.cumsum([0] + [len(p) for p in parts])
+        self.size = int(self.starts[-1])
+
+    def __len__(self) -> int:
+        return self.size
+
+    def view(self, dtype) -> Segmented:
+        """The same bytes as elements of ``dtype`` (segment sizes are multiples of every item size)."""
+        return Segmented([p.view(dtype) for p in self.parts])
+
+    def __getitem__(self, where: slice) -> np.ndarray:
+        a, b, _ = where.indices(self.size)
+        b = max(a, b)
+        first = int(np.searchsorted(self.starts, a, side="right")) - 1
+        pieces = []
+        k = first
+        while a < b:
+            lo = int(self.starts[k])
+            part = self.parts[k][a - lo : min(b, int(self.starts[k + 1])) - lo]
+            pieces.append(part)
+            a += len(part)
+            k += 1
+        if len(pieces) == 1:
+            return pieces[0]
+        return np.concatenate(pieces) if pieces else self.parts[0][:0]
 
 
 def _to_compute(a: np.ndarray, dtype: str) -> np.ndarray:

@@ -19,7 +19,7 @@ import numpy as np
 from emulator import kernels
 from emulator.arena import Arena
 from emulator.ledger import Communicator, Posted
-from emulator.schema import CollOp, Collective
+from emulator.schema import CollOp, Collective, Transport
 
 CHUNK_BYTES = 2 << 20
 WAVE_BYTES = 16 << 20
@@ -41,6 +41,13 @@ class Job:
     error: Exception | None = None  # set when a kernel raised; the job is then finished
     last_progress: float = 0.0  # when a progress event last went out
     plan: list = field(default_factory=list)  # ALLTOALL: the copies to make (see _alltoall)
+    # the outputs once each: socket-transport ranks of a collective whose outputs are all alike
+    # (all-reduce, all-gather, broadcast) share one buffer, written once and sent to each
+    targets: list[np.ndarray] = field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.targets:
+            self.targets = list({id(o): o for o in self.outputs}.values())
 
     @property
     def first(self):
@@ -57,14 +64,15 @@ class Job:
 def _allreduce(job: Job, a: int, b: int) -> None:
     req = job.first
     acc = kernels.reduce([x[a:b] for x in job.inputs], req.reduce_op, req.dtype)
-    for out in job.outputs:
+    for out in job.targets:
         out[a:b] = acc
 
 
 def _broadcast(job: Job, a: int, b: int) -> None:
-    src = job.inputs[job.first.root][a:b]
-    for out in job.outputs:
-        if out is not src:
+    root = job.first.root
+    src = job.inputs[root][a:b]
+    for out in job.targets:
+        if out is not job.outputs[root] or out is not job.inputs[root]:  # the root's in-place buffer has it
             out[a:b] = src
 
 
@@ -74,7 +82,7 @@ def _allgather(job: Job, a: int, b: int) -> None:
     for k in range(a // n, (b - 1) // n + 1):
         lo, hi = max(a, k * n), min(b, (k + 1) * n)
         seg = job.inputs[k][lo - k * n : hi - k * n]
-        for out in job.outputs:
+        for out in job.targets:
             out[lo:hi] = seg
 
 
@@ -137,14 +145,59 @@ def _p2p(job: Job, a: int, b: int) -> None:
     job.outputs[1][a:b] = job.inputs[0][a:b]
 
 
-def make_p2p_job(comm: Communicator, pair: list[Posted], arena_of: Callable[[str], Arena]) -> Job:
+def make_p2p_job(comm: Communicator, pair: list[Posted], arena_of: Callable[[str], Arena],
+                 payload_of: Callable[[Posted], np.ndarray | kernels.Segmented] | None = None) -> Job:
     """Map a matched [send, recv] pair: the sender's input is copied into the receiver's output."""
-    send, recv = (p.request for p in pair)
-    size = kernels.itemsize(send.dtype)
-    n = send.numel
-    src = kernels.typed(arena_of(send.arena).bytes_view(send.in_off, n * size), send.dtype) if n else np.empty(0)
-    dst = kernels.typed(arena_of(recv.arena).bytes_view(recv.out_off, n * size), recv.dtype) if n else np.empty(0)
-    return Job(comm, pair, [src, np.empty(0)], [np.empty(0), dst], n, size, _p2p)
+    send, recv = pair
+    size = kernels.itemsize(send.request.dtype)
+    n = send.request.numel
+    if not n:
+        return Job(comm, pair, [np.empty(0), np.empty(0)], [np.empty(0), np.empty(0)], 0, size, _p2p)
+    src, _ = rank_buffers(send, n * size, 0, arena_of, payload_of)
+    _, dst = rank_buffers(recv, 0, n * size, arena_of, payload_of)
+    if dst is None:
+        dst = np.empty(n * size, np.uint8)
+    dtype = send.request.dtype
+    return Job(comm, pair, [kernels.typed(src, dtype), np.empty(0)], [np.empty(0), kernels.typed(dst, dtype)], n,
+               size, _p2p)
+
+
+def input_elements(req: Collective, world: int) -> int:
+    """Elements rank ``req.rank`` hands the daemon for its collective (what it stages, or sends as frames)."""
+    n, mine = req.numel, req.rank == req.root
+    return {
+        CollOp.BROADCAST: n if mine else 0,  # only the root's buffer is read
+        CollOp.SCATTER: n * world if mine else 0,
+        CollOp.BARRIER: 0,
+        CollOp.RECV: 0,
+    }.get(req.op, n)
+
+
+def rank_buffers(p: Posted, in_bytes: int, out_bytes: int, arena_of: Callable[[str], Arena],
+                 payload_of: Callable[[Posted], np.ndarray | kernels.Segmented] | None):
+    """Where one rank's input bytes come from and where its output goes: the transport seam.
+
+    SHM: both are views of the rank's arena (the same view when the ranges
+    coincide: in place, as NCCL allows). SOCKET: the input is the payload that
+    arrived as data frames (checked against ``in_bytes``) and the output is
+    None, for the caller to allocate; the daemon sends it back after ``Done``.
+    Returns raw uint8 (input, output).
+    """
+    r = p.request
+    if r.transport is Transport.SOCKET:
+        data = payload_of(p) if payload_of is not None else None
+        got = 0 if data is None else len(data)
+        if got != in_bytes:
+            raise kernels.KernelError(
+                f"rank {r.rank} sent {got} bytes of data frames for {r.op.value} of {r.numel} x {r.dtype}; "
+                f"its shape needs {in_bytes}"
+            )
+        return (data if in_bytes else np.empty(0, np.uint8)), None
+    arena = arena_of(r.arena)
+    inp = arena.bytes_view(r.in_off, in_bytes)
+    if r.out_off == r.in_off and out_bytes == in_bytes:
+        return inp, inp
+    return inp, arena.bytes_view(r.out_off, out_bytes)
 
 
 def _alltoall_plan(reqs: list[Collective]) -> tuple[list[tuple[int, int, int, int, int, int]], list[int]]:
@@ -173,8 +226,9 @@ def _alltoall_plan(reqs: list[Collective]) -> tuple[list[tuple[int, int, int, in
     return plan, out_sizes
 
 
-def make_job(comm: Communicator, posted: list[Posted], arena_of: Callable[[str], Arena]) -> Job:
-    """Map every rank's buffers for a matched collective."""
+def make_job(comm: Communicator, posted: list[Posted], arena_of: Callable[[str], Arena],
+             payload_of: Callable[[Posted], np.ndarray | kernels.Segmented] | None = None) -> Job:
+    """Map every rank's buffers for a matched collective (arenas by name; socket ranks' payloads)."""
     req = posted[0].request
     reqs = [p.request for p in posted]
     size = kernels.itemsize(req.dtype)
@@ -210,19 +264,30 @@ def make_job(comm: Communicator, posted: list[Posted], arena_of: Callable[[str],
         CollOp.BARRIER: 0,
     }.get(req.op, n)
     inputs, outputs = [], []
+    alike = req.op in (CollOp.ALLREDUCE, CollOp.ALLGATHER, CollOp.BROADCAST)  # every rank's output the same
+    shared: np.ndarray | None = None
     for rank, p in enumerate(posted):
         r = p.request
         in_n, out_n = shapes(rank)
-        arena = arena_of(r.arena) if total else None
-        if arena is None:
+        if not total:
             inputs.append(np.empty(0))
             outputs.append(np.empty(0))
             continue
-        inputs.append(kernels.typed(arena.bytes_view(r.in_off, in_n * size), r.dtype))
-        if r.out_off == r.in_off and out_n == in_n:
-            outputs.append(inputs[-1])  # in place, as NCCL allows
-        else:
-            outputs.append(kernels.typed(arena.bytes_view(r.out_off, out_n * size), r.dtype))
+        if r.transport is Transport.SOCKET:
+            in_n = input_elements(r, world)  # a broadcast's non-root sends nothing
+        inp, out = rank_buffers(p, in_n * size, out_n * size, arena_of, payload_of)
+        inputs.append(kernels.typed(inp, r.dtype))
+        if out is inp:
+            outputs.append(inputs[-1])
+            continue
+        if out is None:  # sent back as a frame: one buffer serves every socket rank when outputs are alike
+            if alike and shared is not None:
+                outputs.append(shared)
+                continue
+            outputs.append(kernels.typed(np.empty(out_n * size, np.uint8), r.dtype))
+            shared = outputs[-1] if alike else None
+            continue
+        outputs.append(kernels.typed(out, r.dtype))
     return Job(comm, posted, inputs, outputs, total, size, _KERNELS[req.op], plan=plan)
 
 

@@ -23,8 +23,12 @@ from enum import Enum
 from typing import ClassVar
 
 VERSION = 1
-#: Largest request the daemon will parse; tensors never travel inline.
+#: Largest request the daemon will parse; tensors never travel inline in the JSON.
 MAX_MESSAGE_BYTES = 1 << 20
+#: Largest data frame a rank sends (the socket transport): a tensor's bytes go in frames of this
+#: size after the request's JSON frame, every frame but the last full; the daemon's transport
+#: drops connections that send bigger frames.
+MAX_DATA_FRAME_BYTES = 16 * MAX_MESSAGE_BYTES
 #: Sent to a rank process to make it append its Python stacks to ``ranks/rank-<r>.stacks``.
 STACK_SIGNAL = signal.SIGUSR1
 
@@ -57,6 +61,13 @@ class CollOp(str, Enum):
     BARRIER = "barrier"
     SEND = "send"  # point-to-point: seq counts this (src, dst) pair's messages, not the collectives
     RECV = "recv"
+
+
+class Transport(str, Enum):
+    """How one rank's collective data reaches the daemon and comes back."""
+
+    SHM = "shm"  # the rank's shared-memory arena (RCCL's P2P/SHM transports)
+    SOCKET = "socket"  # ZeroMQ frames after the request and after its Done (RCCL's NET/Socket)
 
 
 class Stream(str, Enum):
@@ -137,8 +148,11 @@ class MemoryReport(Request):
 class Collective(Request):
     """Rank ``rank`` of ``comm`` posts collective number ``seq``.
 
-    Its input and output live in the rank's shared-memory arena ``arena`` at
-    byte offsets ``in_off``/``out_off``; ``numel`` counts input elements.
+    With ``transport`` SHM its input and output live in the rank's
+    shared-memory arena ``arena`` at byte offsets ``in_off``/``out_off``; with
+    SOCKET the input bytes follow as data frames (see ``MAX_DATA_FRAME_BYTES``)
+    and the output comes back as a data frame after ``Done``. ``numel``
+    counts input elements.
     """
 
     TYPE: ClassVar[str] = "collective"
@@ -158,6 +172,7 @@ class Collective(Request):
     site: str = ""  # file:line:function of the call in the user's code
     splits: list[int] = field(default_factory=list)  # ALLTOALL: elements this rank sends to each rank
     peer: int = -1  # SEND/RECV: the other rank, within the communicator
+    transport: Transport = Transport.SHM
 
 
 # ---------------------------------------------------------------- replies
@@ -184,7 +199,7 @@ class Error(Reply):
 
 @dataclass(frozen=True)
 class Done(Reply):
-    """Collective ``seq`` of ``comm`` finished; the output is in the arena."""
+    """Collective ``seq`` of ``comm`` finished; the output is in the arena (SOCKET: in the data frame that follows)."""
 
     TYPE: ClassVar[str] = "done"
     comm: str = ""
@@ -263,6 +278,7 @@ class CollectiveEnqueued(Event):
     numel: int = 0
     device: int = 0
     site: str = ""
+    transport: Transport = Transport.SHM  # how this rank's data travels
 
 
 @dataclass(frozen=True)

@@ -7,11 +7,17 @@ while others are in flight), posts it to the daemon with the next sequence
 number of its communicator and returns; its ``Work`` waits for ``Done`` and
 copies the result back, the rank's collectives in the order it posted them, as
 on one stream. The daemon reduces in place, over shared memory.
+
+A communicator whose transport is NET/Socket (members on different emulated
+nodes, or ``NCCL_P2P_DISABLE=1`` and ``NCCL_SHM_DISABLE=1``) sends the input
+bytes as ZeroMQ data frames after the request instead, and its ``Work`` takes
+the output from the frame that comes back after ``Done``.
 """
 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import itertools
 import os
@@ -226,9 +232,9 @@ _COLLECTIVE_LOCK = threading.Lock()
 class _Pending:
     """A collective posted to the daemon whose output is not delivered yet."""
 
-    def __init__(self, pg, request: s.Collective, req: int, slot: int, staged, out_view,
+    def __init__(self, pg, request: s.Collective, req: int, slot: int | None, staged, out_view,
                  deliver, device: int, posted_at: float):
-        self.pg, self.request, self.req, self.slot = pg, request, req, slot
+        self.pg, self.request, self.req, self.slot = pg, request, req, slot  # slot None: socket transport
         self.staged, self.out_view, self.deliver, self.device = staged, out_view, deliver, device
         self.posted_at = posted_at
         self.targets = getattr(deliver, "targets", [])
@@ -265,6 +271,30 @@ def _unlink_slots() -> None:
         arena.unlink()
 
 
+def _payload(inputs: list[torch.Tensor], premul: float | None) -> memoryview | None:
+    """The bytes a socket-transport collective sends: its inputs in order (one input as it is, not copied)."""
+    if not sum(t.numel() for t in inputs):
+        return None
+    if len(inputs) == 1 and premul is None:
+        flat = inputs[0].detach().reshape(-1)
+    else:
+        flat = torch.cat([t.detach().reshape(-1) for t in inputs])
+        if premul is not None:
+            flat.mul_(premul)
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def _received(data: memoryview | None, numel: int, dtype: str) -> torch.Tensor:
+    """A socket-transport output as a flat tensor over the frame the daemon sent back (checked against its size)."""
+    dt = getattr(torch, dtype)
+    got = 0 if data is None else len(data)
+    if got != numel * dt.itemsize:
+        raise dist.DistBackendError(
+            f"mirage: the daemon sent {got} bytes for an output of {numel} x {dtype} ({numel * dt.itemsize} bytes)"
+        )
+    return torch.frombuffer(data, dtype=dt) if numel else torch.empty(0, dtype=dt)
+
+
 def _storages(tensors) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in tensors if t.numel()}
 
@@ -288,7 +318,11 @@ def _complete(p: _Pending) -> None:
             raise _nccl_error(reply.code, reply.message, p.device)
         if isinstance(reply, s.Done) and reply.devices and nccl_debug.enabled():
             nccl_debug.print_init(pg._comm, pg._rank, reply.devices, reply.hosts)
-        if p.deliver is not None:
+        if p.slot is None:
+            data = pg._client.data(p.req)  # taken even when nothing is delivered: it goes with the reply
+            if p.deliver is not None:
+                p.deliver(p.staged if p.staged is not None else _received(data, p.request.out_numel, p.request.dtype))
+        elif p.deliver is not None:
             p.deliver(p.staged if p.out_view is None else p.out_view)
     finally:
         _PENDING.popleft()
@@ -352,6 +386,7 @@ class MirageProcessGroup(dist.ProcessGroup):
         self._group_name = ""
         self._group_desc = ""
         self._in_process = os.environ.get("MIRAGE_IN_PROCESS") == "1"
+        self._socket = False  # the data path: ZeroMQ frames (NET/Socket) or the arena; chosen below
         # the default group is built before torch records it (and again after destroy_process_group)
         self._is_default = not dist.is_initialized()
         global _faults_chosen
@@ -370,6 +405,9 @@ class MirageProcessGroup(dist.ProcessGroup):
             store.set(key, uuid.uuid4().hex)
         self._comm = store.get(key).decode()
         self._client = cl.client()
+        host = os.environ.get("NCCL_HOSTID", socket.gethostname())
+        transport = _transport(store, self._comm, rank, size, host)
+        self._socket = transport == "socket"
         reply = self._client.request(
             s.CommInit(
                 comm=self._comm,
@@ -378,8 +416,8 @@ class MirageProcessGroup(dist.ProcessGroup):
                 # not $RANK: mp.spawn children all inherit their parent's
                 global_rank=rank if self._is_default else dist.get_rank(),
                 node=int(os.environ.get("MIRAGE_NODE_RANK", "0")),
-                host=os.environ.get("NCCL_HOSTID", socket.gethostname()),
-                transport=_transport(),
+                host=host,
+                transport=transport,
             )
         )
         if isinstance(reply, s.Error):
@@ -442,6 +480,9 @@ class MirageProcessGroup(dist.ProcessGroup):
                     if _storages(p.targets) & reads:
                         _complete_through(p)
                         break
+            if self._socket:
+                return self._post_socket(op, inputs, out_numel, dtype, deliver, reduce_op, root, device, stage,
+                                         splits, numel, premul)
             slot = 0 if not _PENDING else min(set(range(1, len(_PENDING) + 2)) - _busy_slots)
             arena = _slot_arena(self._client, slot, out_off + (0 if same else out_numel * esize))
             staged = cl.arena_tensor(arena, 0, staged_numel, dtype)
@@ -468,6 +509,22 @@ class MirageProcessGroup(dist.ProcessGroup):
             pending = _Pending(self, request, req, slot, staged, out_view, deliver, device, time.monotonic())
             _PENDING.append(pending)
             return pending
+
+    def _post_socket(self, op, inputs, out_numel, dtype, deliver, reduce_op, root, device, stage, splits, numel,
+                     premul) -> _Pending:
+        """``_run``'s socket transport (lock held): the inputs go as data frames, the output comes back as one."""
+        self._seq += 1
+        request = s.Collective(
+            comm=self._comm, seq=self._seq, rank=self._rank, op=op, reduce_op=reduce_op,
+            dtype=str(dtype).removeprefix("torch."), numel=numel, out_numel=out_numel, root=root,
+            device=dev.STATE.physical[device], site=_call_site(), splits=splits or [], transport=s.Transport.SOCKET,
+        )
+        req = self._client.send(request, _payload(inputs, premul) if stage else None)
+        # a broadcast's root gets nothing back (its output is its input), so it delivers that
+        own = inputs[0].reshape(-1) if op is s.CollOp.BROADCAST and self._rank == root and inputs else None
+        pending = _Pending(self, request, req, None, own, None, deliver, device, time.monotonic())
+        _PENDING.append(pending)
+        return pending
 
     def _watchdog_timeout(self, req: s.Collective, waited_s: float) -> dist.DistBackendError:
         """ProcessGroupNCCL's watchdog message, which is what users grep their logs for."""
@@ -641,18 +698,21 @@ class MirageProcessGroup(dist.ProcessGroup):
         elem = _flat(tensor)
         key = (op, peer)
         self._p2p_seq[key] = n = self._p2p_seq.get(key, 0) + 1
-        arena = self._client.scratch(elem.numel() * elem.element_size())
-        buf = cl.arena_tensor(arena, 0, elem.numel(), elem.dtype)
-        if op is s.CollOp.SEND:
-            buf.copy_(elem.reshape(-1))
-        req = self._client.send(
-            s.Collective(
-                comm=self._comm, seq=n, rank=self._rank, op=op, dtype=str(elem.dtype).removeprefix("torch."),
-                numel=elem.numel(), out_numel=elem.numel(), device=dev.STATE.physical[_gpu(tensor)], arena=arena.name,
-                peer=peer,
-                site=_call_site(),
-            )
+        request = s.Collective(
+            comm=self._comm, seq=n, rank=self._rank, op=op, dtype=str(elem.dtype).removeprefix("torch."),
+            numel=elem.numel(), out_numel=elem.numel(), device=dev.STATE.physical[_gpu(tensor)], peer=peer,
+            site=_call_site(),
         )
+        if self._socket:  # the message travels as a data frame, to the daemon and back
+            payload = _payload([elem], None) if op is s.CollOp.SEND else None
+            req = self._client.send(dataclasses.replace(request, transport=s.Transport.SOCKET), payload)
+            arena = buf = None
+        else:
+            arena = self._client.scratch(elem.numel() * elem.element_size())
+            buf = cl.arena_tensor(arena, 0, elem.numel(), elem.dtype)
+            if op is s.CollOp.SEND:
+                buf.copy_(elem.reshape(-1))
+            req = self._client.send(dataclasses.replace(request, arena=arena.name))
         deliver = None if op is s.CollOp.SEND else _into(elem)
         return _P2PWork(self, req, arena, buf, deliver, _gpu(tensor), [tensor])
 
@@ -688,13 +748,19 @@ class _P2PWork(dist.Work):
             reply = self._pg._client.wait(self._req, seconds)
             if isinstance(reply, s.Error):
                 raise _nccl_error(reply.code, reply.message, self._device)
-            if self._deliver is not None:
+            if self._arena is None:  # socket transport: a receive's message came with the reply
+                data = self._pg._client.data(self._req)
+                if self._deliver is not None:
+                    t = self._tensors[0]
+                    self._deliver(_received(data, t.numel(), str(t.dtype).removeprefix("torch.")))
+            elif self._deliver is not None:
                 self._deliver(self._buf)
         finally:
             self._done = True
             self._buf = None
-            self._arena.close()
-            self._arena.unlink()
+            if self._arena is not None:
+                self._arena.close()
+                self._arena.unlink()
         return True
 
     def is_completed(self) -> bool:
@@ -707,9 +773,21 @@ class _P2PWork(dist.Work):
         return fut
 
 
-def _transport() -> str:
-    off = {k for k in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE") if os.environ.get(k) == "1"}
-    return "socket" if len(off) == 2 else "shm"
+def _transport(store: dist.Store, comm: str, rank: int, size: int, host: str) -> str:
+    """The communicator's data path, chosen as RCCL chooses its transport (see ``nccl_debug``).
+
+    ``"socket"`` (NET/Socket: ZeroMQ frames) with P2P and SHM both disabled, or
+    when a member runs on another emulated node; else ``"shm"``. Only a
+    multi-node run has to ask where the members are: each rank writes its host
+    to the store and reads everyone's, as NCCL's bootstrap all-gathers them.
+    """
+    if nccl_debug.net_only():
+        return "socket"
+    if size == 1 or int(os.environ.get("MIRAGE_NUM_NODES", "1") or "1") <= 1:
+        return "shm"
+    store.set(f"mirage_host/{comm}/{rank}", host)
+    hosts = store.multi_get([f"mirage_host/{comm}/{r}" for r in range(size)])
+    return "socket" if any(h.decode() != host for h in hosts) else "shm"
 
 
 def _create(store, rank, size, timeout):

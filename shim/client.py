@@ -1,4 +1,10 @@
-"""The rank's connection to the daemon: requests over ZeroMQ, data through its arena."""
+"""The rank's connection to the daemon: requests over ZeroMQ, data through its arena or as frames.
+
+The shared-memory transport stages a collective's bytes in the rank's arena;
+the socket transport (NCCL's NET/Socket: ranks on different emulated nodes,
+or P2P and SHM disabled) sends them as ZeroMQ data frames after the request
+and gets the output back as a frame after the reply.
+"""
 
 from __future__ import annotations
 
@@ -40,7 +46,8 @@ class DaemonClient:
 
     Replies can come back in any order (a receive posted before a collective
     may finish after it): whoever reads a reply that is not theirs leaves it
-    in ``_stash`` for its owner.
+    in ``_stash`` for its owner, and the data frame that came with it in
+    ``_data``.
     """
 
     def __init__(self, endpoint: str, token: str, session: str, tag: str, daemon_pid: int = 0):
@@ -55,17 +62,63 @@ class DaemonClient:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._stash: dict[int, s.Reply] = {}
+        self._data: dict[int, zmq.Frame] = {}
         self._arena: Arena | None = None
         self._generation = 0
         self._scratch = itertools.count(1)
 
-    def send(self, msg: s.Request) -> int:
-        """Send ``msg`` (token and id filled in); return the id its reply will carry."""
+    def send(self, msg: s.Request, data: memoryview | None = None) -> int:
+        """Send ``msg`` (token and id filled in), and ``data`` as its data frames; return the reply's id.
+
+        ``data`` is sent without copying it (large frames) and this returns once
+        ZeroMQ is done reading it, so the caller may change it afterwards, as
+        after staging it into an arena.
+        """
         req = next(self._ids)
-        data = s.encode(dataclasses.replace(msg, token=self.token, req=req))
+        head = s.encode(dataclasses.replace(msg, token=self.token, req=req))
+        step = s.MAX_DATA_FRAME_BYTES
+        frames = [data[i : i + step] for i in range(0, len(data), step)] if data is not None else []
+        trackers = []
         with self._lock:
-            self._sock.send(data)
+            self._sock.send(head, zmq.SNDMORE if frames else 0)
+            for i, frame in enumerate(frames):
+                # pyzmq copies small frames anyway (their tracker is done at once)
+                trackers.append(self._sock.send(frame, zmq.SNDMORE if i + 1 < len(frames) else 0, copy=False,
+                                                track=True))
+        for tracker in trackers:
+            while True:
+                try:
+                    tracker.wait(DAEMON_CHECK_S)
+                    break
+                except zmq.NotDone:
+                    self._check_daemon()
         return req
+
+    def _check_daemon(self) -> None:
+        """Raise :class:`DaemonGone` once the daemon's process has exited."""
+        if self.daemon_pid and _pid_gone(self.daemon_pid):
+            raise DaemonGone(
+                f"mirage: the emulator daemon (pid {self.daemon_pid}) is gone, so no collective can complete; "
+                f"see {os.path.join(os.environ.get('MIRAGE_RUN_DIR', '.'), 'daemon.log')}"
+            )
+
+    def _read(self) -> s.Reply | None:
+        """Read one message (lock held): the reply, its data frame set aside in ``_data``."""
+        got = s.decode(self._sock.recv())
+        frame = self._sock.recv(copy=False) if self._sock.get(zmq.RCVMORE) else None
+        while self._sock.get(zmq.RCVMORE):  # the daemon sends one data frame at most; drop anything else
+            self._sock.recv()
+        if not isinstance(got, s.Reply):
+            return None
+        if frame is not None:
+            self._data[got.req] = frame
+        return got
+
+    def data(self, req: int) -> memoryview | None:
+        """The data frame that came with the reply to ``req`` (socket transport), taken; None if none came."""
+        with self._lock:
+            frame = self._data.pop(req, None)
+        return None if frame is None else frame.buffer
 
     def wait(self, req: int, timeout_s: float = 60.0) -> s.Reply:
         """The reply to request ``req``, once it comes (TimeoutError after ``timeout_s``)."""
@@ -74,11 +127,7 @@ class DaemonClient:
         while True:
             if self.daemon_pid and time.monotonic() >= next_check:
                 next_check = time.monotonic() + DAEMON_CHECK_S
-                if _pid_gone(self.daemon_pid):
-                    raise DaemonGone(
-                        f"mirage: the emulator daemon (pid {self.daemon_pid}) is gone, so no collective can complete; "
-                        f"see {os.path.join(os.environ.get('MIRAGE_RUN_DIR', '.'), 'daemon.log')}"
-                    )
+                self._check_daemon()
             with self._lock:
                 reply = self._stash.pop(req, None)
                 if reply is not None:
@@ -88,8 +137,8 @@ class DaemonClient:
                     raise TimeoutError(f"no reply from the mirage daemon within {timeout_s:.0f} s")
                 # short polls: another thread may be waiting for a reply this one reads
                 if self._sock.poll(min(left, 0.05) * 1000):
-                    got = s.decode(self._sock.recv())
-                    if isinstance(got, s.Reply):
+                    got = self._read()
+                    if got is not None:
                         if got.req == req:
                             return got
                         self._stash[got.req] = got
@@ -98,8 +147,8 @@ class DaemonClient:
         """Whether the reply to ``req`` has arrived (reads what is waiting, never blocks)."""
         with self._lock:
             while self._sock.poll(0):
-                got = s.decode(self._sock.recv())
-                if isinstance(got, s.Reply):
+                got = self._read()
+                if got is not None:
                     self._stash[got.req] = got
             return req in self._stash
 

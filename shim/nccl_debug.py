@@ -23,8 +23,17 @@ def enabled() -> bool:
     return os.environ.get("NCCL_DEBUG", "").upper() in ("INFO", "TRACE")
 
 
+def net_only() -> bool:
+    """P2P and SHM both disabled: RCCL connects even ranks of one host over the network."""
+    return os.environ.get("NCCL_P2P_DISABLE") == "1" and os.environ.get("NCCL_SHM_DISABLE") == "1"
+
+
 def transport(my_host: str, peer_host: str) -> str:
-    """What RCCL would pick between two ranks, given the transports the environment disables."""
+    """What RCCL would pick between two ranks, given the transports the environment disables.
+
+    mirage's data path follows it (``shim.backend._transport``): a rank whose
+    communicator has any NET/Socket connection sends its bytes as ZeroMQ frames.
+    """
     if my_host != peer_host:
         return "NET/Socket/0"
     if os.environ.get("NCCL_P2P_DISABLE") != "1":
@@ -51,7 +60,7 @@ def print_init(comm: str, rank: int, devices: list[int], hosts: list[str]) -> No
     size = len(devices)
     peer = (rank + 1) % size
     via = transport(hosts[rank], hosts[peer])
-    if "NET/Socket" in via:
+    if net_only() or len(set(hosts)) > 1:  # the communicator has network connections
         lines.append(f"{prefix} NET/Socket : Using [0]lo:127.0.0.1<0>")
     if size > 1:
         lines.append(f"{prefix} Channel 00/0 : {rank}[{dev}] -> {peer}[{devices[peer]}] via {via}")

@@ -453,6 +453,12 @@ def test_malformed_messages_each_get_an_error(fresh_daemon):
         c.send_raw(*frames)
         rep = c.recv()
         assert isinstance(rep, s.Error) and rep.code == "protocol" and "one frame" in rep.message
+    # a socket-transport collective's data frames cut wrong (empty, or short before the last): refused
+    head = s.encode(s.Collective(token=d.token, req=6, comm="c" * 32, numel=4, transport=s.Transport.SOCKET))
+    for data in ([b""], [b"\0" * 8, b"\0" * 8]):
+        c.send_raw(head, *data)
+        rep = c.recv()
+        assert isinstance(rep, s.Error) and rep.code == "protocol" and "each must be" in rep.message, rep
     assert isinstance(c.call(s.Ping()), s.Ok)
     g = d.group(2)
     outs = g.run(C.ALLREDUCE, [np.arange(8, dtype=np.float32)] * 2)

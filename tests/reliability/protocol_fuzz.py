@@ -9,7 +9,8 @@ Two kinds of message:
 - :meth:`Fuzzer.hostile` — well formed and carrying the real token, but
   semantically wrong or out of order: collectives before joining, sequence
   numbers out of order, unknown or foreign arenas, impossible sizes, roots,
-  peers, devices, offsets and splits, ranks that claim dead pids. The daemon may
+  peers, devices, offsets and splits, socket-transport data frames that do not
+  match the declared shape, ranks that claim dead pids. The daemon may
   answer them with an error, an ``Ok``, a ``Done`` or (for half of a collective
   nobody completes) not at all; it must never crash, hang or raise internally.
 
@@ -24,6 +25,7 @@ import random
 import typing
 
 from emulator import schema as s
+from emulator.kernels import DTYPES
 
 #: every request kind the schema knows (new ones are fuzzed too, with generic values)
 REQUESTS = [cls for cls in s._REGISTRY.values() if issubclass(cls, s.Request)]
@@ -128,8 +130,8 @@ class Fuzzer:
 
     # ------------------------------------------------------------ hostile but well-formed
 
-    def hostile(self) -> list[bytes]:
-        """Well-formed requests with the real token (one or a few, to send in order).
+    def hostile(self) -> list[list[bytes]]:
+        """Well-formed requests with the real token (one or a few messages, each its frames, to send in order).
 
         Mostly plausible traffic, so the fuzz reaches the ledger, the scheduler
         and the kernels rather than stopping at "not joined": communicators
@@ -147,11 +149,11 @@ class Fuzzer:
             ranks = list(range(size))
             if size > 1 and g.random() < 0.1:
                 ranks.remove(g.choice(ranks))
-            return [self.dumps({"v": s.VERSION, "type": "comm_init", "token": self.token, "req": g.randrange(1, 2**31),
-                                "comm": comm, "rank": r, "size": size, "global_rank": r, "node": 0, "host": "h0",
-                                "transport": "shm"}) for r in ranks]
+            return [[self.dumps({"v": s.VERSION, "type": "comm_init", "token": self.token, "req": g.randrange(1, 2**31),
+                                 "comm": comm, "rank": r, "size": size, "global_rank": r, "node": 0, "host": "h0",
+                                 "transport": "shm"})] for r in ranks]
         if roll < 0.3:
-            return [self.dumps(self.valid())]  # anything well typed
+            return [[self.dumps(self.valid())]]  # anything well typed
         comm = g.choice(list(self.joined))
         size = self.joined[comm]
         if roll < 0.4 and size > 1:  # point-to-point: a send, its receive, or both
@@ -163,7 +165,7 @@ class Fuzzer:
             for op, me, peer in (("send", src, dst), ("recv", dst, src)):
                 if g.random() < 0.9:
                     out.append(self._coll(comm, op, me, n, numel, "float32", 0, peer=peer))
-            return [self.dumps(b) for b in out]
+            return [self._framed(b, size) for b in out]
         seq = self.next_seq[comm]
         self.next_seq[comm] = seq + 1 if g.random() < 0.9 else seq + g.choice([0, 2])  # repeated, skipped
         op = g.choice([o for o in s.CollOp if o not in (s.CollOp.SEND, s.CollOp.RECV)])
@@ -180,7 +182,25 @@ class Fuzzer:
         if size > 1 and g.random() < 0.1:
             bodies.remove(g.choice(bodies))  # a rank that never comes
         g.shuffle(bodies)
-        return [self.dumps(b) for b in bodies]
+        return [self._framed(b, size) for b in bodies]
+
+    def _framed(self, body: dict, size: int) -> list[bytes]:
+        """``body``'s frames: a third of the time it goes over the socket transport, with its bytes as data
+        frames, mostly as many as its shape declares (to reach the kernels), sometimes too few or too many."""
+        g = self.gen
+        if g.random() > 0.33:
+            return [self.dumps(body)]
+        body.update(transport="socket", arena="")
+        numel = body["numel"] if type(body["numel"]) is int and 0 <= body["numel"] < 1 << 20 else 0
+        mine = body["rank"] == body["root"]
+        elems = {"broadcast": numel if mine else 0, "scatter": numel * size if mine else 0, "barrier": 0,
+                 "recv": 0}.get(body["op"], numel)
+        dtype = DTYPES.get(body["dtype"]) if isinstance(body["dtype"], str) else None
+        nbytes = elems * (dtype.itemsize if dtype is not None else 4)
+        if g.random() < 0.2:
+            nbytes = max(0, nbytes + g.choice([-1, 1, -4, 8, 4096]))
+        data = bytes(g.randrange(256) for _ in range(min(nbytes, 64))) * (nbytes // 64 + 1)
+        return [self.dumps(body)] + ([data[:nbytes]] if nbytes else [])
 
     def _coll(self, comm: str, op: str, rank: int, seq: int, numel: int, dtype: str, root: int, size: int = 1,
               peer: int = -1) -> dict:
@@ -259,8 +279,13 @@ class Fuzzer:
                 else:
                     raw.insert(i, g.randrange(256))
             return [bytes(raw)]
-        if kind < 86:  # several frames in one message
+        if kind < 83:  # several frames in one message
             return [self.dumps(self.valid()) if g.random() < 0.5 else b"" for _ in range(g.randrange(2, 5))]
+        if kind < 86:  # a socket-transport collective whose data frames are cut wrong (not full, or empty)
+            body = self.valid(s.Collective)
+            body["transport"] = "socket"
+            cuts = g.choice([[b"\0" * g.randrange(1, 100), b"\0" * 4], [b""], [b"\0" * 4, b""], [b""] * 3])
+            return [self.dumps(body), *cuts]
         if kind < 90:  # strings that JSON allows and Python dislikes, with a wrong token
             body = self.valid(token=g.choice(["\ud800", "\udfff\ud800", "\u0000" * 10, "\uffff"]))
             return [self.dumps(body)]

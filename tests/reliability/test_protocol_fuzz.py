@@ -45,8 +45,8 @@ def fuzz(d: DaemonProcess, seed: int, n: int, clients: int = 4) -> dict[str, int
                     expected[k] += 1
                     counts["refusable"] += 1
                 else:
-                    for raw in f.hostile():
-                        hostiles[k].send_raw(raw)
+                    for frames in f.hostile():
+                        hostiles[k].send_raw(*frames)
                     counts["hostile"] += 1
                 sent += 1
             for c, want in zip(refusers, expected):
@@ -55,7 +55,7 @@ def fuzz(d: DaemonProcess, seed: int, n: int, clients: int = 4) -> dict[str, int
                     assert isinstance(rep, s.Error) and rep.code == "protocol", (seed, rep)
             for c in hostiles:  # answers or not, as the daemon sees fit; read what came
                 while c.has_reply():
-                    c.sock.recv()
+                    c.sock.recv_multipart()  # a reply, and the output frame a socket-transport Done brings
                     counts["hostile_replies"] += 1
             counts["protocol_events"] += sum(isinstance(e, s.ProtocolError) for e in events.drain(0.0))
         for c in refusers:
