@@ -23,24 +23,11 @@ import os  # noqa: E402
 import re  # noqa: E402
 import time  # noqa: E402
 
-import psutil  # noqa: E402
 import pytest  # noqa: E402
 
+from orphans import session_processes  # noqa: E402
+
 _RUN_DIR = re.compile(r"^\d{8}-\d{6}-([0-9a-f]{8})$")
-
-
-def session_processes(sessions: set[str]) -> list[str]:
-    """Processes (other than this one) whose environment carries one of ``sessions``."""
-    found = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        if p.pid == os.getpid():
-            continue
-        try:
-            if p.environ().get("MIRAGE_SESSION") in sessions:
-                found.append(f"{p.pid} {' '.join(p.info['cmdline'] or [])[:120]}")
-        except (psutil.Error, OSError):
-            continue
-    return found
 
 
 @pytest.fixture

@@ -112,15 +112,16 @@ def test_async_collectives_soak(tmp_path):
     assert "[0] async_soak_ok" in r.stdout
 
 
-def test_fsdp2_matches_gloo(tmp_path):
+@pytest.mark.parametrize("gpus", [2, 4])
+def test_fsdp2_matches_gloo(tmp_path, gpus):
     """meta init + to_empty, per-layer fully_shard with bf16 params / fp32 reduce, explicit prefetch,
     clip_grad_norm_ on DTensors, broadcast_from_rank0, DCP save/load round trip."""
     steps = 4
-    r = mirage_run(tmp_path, "--gpus-per-node", "2", "--env", f"FSDP2_DIR={tmp_path}", "--", "torchrun",
-                   "--standalone", "--nproc_per_node=2", str(FIXTURES / "fsdp2_train.py"), steps=steps)
+    r = mirage_run(tmp_path, "--gpus-per-node", str(gpus), "--env", f"FSDP2_DIR={tmp_path}", "--", "torchrun",
+                   "--standalone", f"--nproc_per_node={gpus}", str(FIXTURES / "fsdp2_train.py"), steps=steps)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "[0] fsdp2_ok" in r.stdout
-    cpu = run_on_cpu(str(FIXTURES / "fsdp2_train.py"), nprocs=2, steps=steps, env={"FSDP2_DIR": str(tmp_path)})
+    cpu = run_on_cpu(str(FIXTURES / "fsdp2_train.py"), nprocs=gpus, steps=steps, env={"FSDP2_DIR": str(tmp_path)})
     assert_same_figures(r.stdout, cpu, rel=1e-4)
 
 

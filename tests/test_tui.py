@@ -28,7 +28,7 @@ from mirage_tui.app.run_screen import RunScreen  # noqa: E402
 from mirage_tui.app.setup import SetupScreen  # noqa: E402
 from mirage_tui.app.stacks_screen import StacksScreen  # noqa: E402
 from mirage_tui.topology import OnHang, Topology, UsageError, validate  # noqa: E402
-from conftest import session_processes  # noqa: E402
+from orphans import session_processes  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = REPO_ROOT / "tests" / "fixtures" / "ml"
