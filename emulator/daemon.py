@@ -388,7 +388,7 @@ class Daemon:
                 for finding in self.hangs.scan(self.ledger, now, busy):
                     self.publish(finding)
             self.flush_events()
-            if os.getppid() != parent:
+            if _orphaned(parent):
                 break  # the session is gone: nobody is left to serve
 
     def stop_orphans(self) -> None:
@@ -466,12 +466,31 @@ def _of_session(pid: int, session: str) -> bool:
         return False
 
 
+_parent_signalled = False  # set by the parent-death signal, see _die_with_parent
+
+
+def _orphaned(parent: int) -> bool:
+    """Whether the session that started us (pid ``parent``) is gone, or dying (a zombie)."""
+    # /proc is read only after the signal: this runs on every turn of the busy loop
+    return os.getppid() != parent or (_parent_signalled and not _alive(parent))
+
+
+def _on_parent_death(signum, frame) -> None:
+    global _parent_signalled
+    _parent_signalled = True
+
+
 def _die_with_parent() -> None:
-    # Linux: SIGTERM us if the session dies without reaping us
+    # Linux: SIGHUP us if the session dies without reaping us. The kernel sends it when the
+    # *thread* that forked us exits, which, in a SIGKILLed session, can come before the
+    # process is gone: the handler only notes it, and the loop checks _orphaned() (a SIGTERM
+    # here would stop us before we could tell, and skip stop_orphans). A SIGHUP whose parent
+    # lives on (only the forking thread ended) changes nothing.
+    signal.signal(signal.SIGHUP, _on_parent_death)
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGHUP)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
 
@@ -492,7 +511,7 @@ def run(run_dir: str, session: str, token: str, profile: str, nodes: int, gpus_p
     try:
         daemon.serve()
     finally:
-        if os.getppid() != parent:  # the session died without stopping us (SIGKILL): nobody else will clean up
+        if _orphaned(parent):  # the session died without stopping us (SIGKILL): nobody else will clean up
             daemon.stop_orphans()
         daemon.close()
         usage = resource.getrusage(resource.RUSAGE_SELF)
