@@ -2,12 +2,13 @@
 
 Every ``cuda`` tensor's data is a CPU storage. A storage is counted on its GPU
 from the first wrapper that holds it until the last one is collected (views
-share their base's storage and are counted once). Sizes are rounded to the
-allocator's 512-byte blocks; reserved memory grows in 2 MiB segments and only
-shrinks on ``empty_cache()``, as a caching allocator's does. Allocations that
-would take a GPU past its capacity (the profile's HBM, ``--hbm``, or
-``set_per_process_memory_fraction``) raise ``torch.cuda.OutOfMemoryError``
-with the allocator's own message.
+share their base's storage and are counted once; a view an op makes keeps the
+wrapper it was made from alive instead of holding the storage itself). Sizes
+are rounded to the allocator's 512-byte blocks; reserved memory grows in 2 MiB
+segments and only shrinks on ``empty_cache()``, as a caching allocator's does.
+Allocations that would take a GPU past its capacity (the profile's HBM,
+``--hbm``, or ``set_per_process_memory_fraction``) raise
+``torch.cuda.OutOfMemoryError`` with the allocator's own message.
 """
 
 from __future__ import annotations
@@ -194,6 +195,7 @@ class Allocator:
         if t._mem:
             self.release(t._mem)
         t._mem = 0
+        t._src = None  # a view counted through the wrapper it was made from now counts for itself
         t._mem = self.hold(t._elem, t._gpu)
 
     def release(self, key: int) -> None:

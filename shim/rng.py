@@ -180,11 +180,15 @@ def native_dropout(x: torch.Tensor, p: float, train: bool | None, gpu: int):
         return x.clone(), torch.ones_like(x, dtype=torch.bool)
     if p == 1:
         return torch.zeros_like(x), torch.zeros_like(x, dtype=torch.bool)
+    # The mask is drawn in x's dtype where it is floating point: the same draws as into a bool tensor (the
+    # CPU kernel takes one per element whatever the dtype), and x * noise then needs no bool-to-float copy.
+    floating = x.is_floating_point()
     g = DEFAULT_GENERATORS[gpu]
     with g.lock:
-        mask = torch.empty_like(x, dtype=torch.bool).bernoulli_(1 - p, generator=g.engine())
-        g.advance(mask.numel())
-    return x * mask * (1.0 / (1 - p)), mask
+        noise = torch.empty_like(x, dtype=x.dtype if floating else torch.bool).bernoulli_(1 - p, generator=g.engine())
+        g.advance(noise.numel())
+    out = x * noise
+    return out.mul_(1.0 / (1 - p)) if floating else out * (1.0 / (1 - p)), noise.bool()
 
 
 class _GeneratorType(type(torch._C.Generator)):

@@ -53,24 +53,14 @@ class MirageTensor(torch.Tensor):
 
     _elem: torch.Tensor
     _gpu: int
-    _mem: int = 0  # the allocator's key for _elem's storage (0: not counted)
+    _mem: int = 0  # the allocator's key for _elem's storage (0: not counted by this wrapper)
+    # A view made by an op is counted through the wrapper that holds its storage: it keeps that
+    # wrapper alive instead of taking a hold of its own (cheaper, and the same books).
+    _src: MirageTensor | None = None
 
     @staticmethod
     def __new__(cls, elem: torch.Tensor, gpu: int):
-        r = torch.Tensor._make_wrapper_subclass(
-            cls,
-            elem.size(),
-            strides=elem.stride(),
-            storage_offset=elem.storage_offset(),
-            dtype=elem.dtype,
-            layout=elem.layout,
-            device=BACKEND_DEVICE,
-            requires_grad=False,
-        )
-        r._elem = elem
-        r._gpu = gpu
-        r._mem = ALLOCATOR.hold(elem, gpu)
-        return r
+        return _new(elem, gpu, None)
 
     def __del__(self):
         # the last wrapper of a storage frees it on its GPU (torch.cuda.memory_allocated drops)
@@ -133,7 +123,14 @@ class MirageTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         try:
-            return _dispatch(func, args, kwargs)
+            plan = _PLANS.get(id(func))  # by id: OpOverload.__hash__ is a Python method
+            if plan is None:
+                plan = _PLANS[id(func)] = _Plan(func)  # the plan holds func, so the id stays its own
+            if plan.fast and not kwargs:
+                out = _fast(plan, args)
+                if out is not None:
+                    return out
+            return _dispatch(func, plan, args, kwargs)
         except Exception as e:
             if not deferred.in_backward():
                 raise
@@ -143,104 +140,244 @@ class MirageTensor(torch.Tensor):
             return deferred.defer(e, func, args, kwargs)
 
 
-def _dispatch(func, args, kwargs):
+# Every op on a wrapper comes through here, so how each op is run is worked out from its schema once
+# (a _Plan) and found again with one dict lookup. Most ops then take _fast: their positional arguments
+# are tensors or hold none, and only those positions are unwrapped.
+_PLAIN, _TO, _DROPOUT, _DROPOUT_BACKWARD, _COLLECTIVE, _KERNEL, _RANDOM = range(7)
+#: schema types that never hold a tensor or a device (SymInt is IntType here)
+_NO_TENSOR = {"IntType", "BoolType", "NumberType", "FloatType", "StringType", "ComplexType", "GeneratorType",
+              "AnyEnumType"}
+
+
+def _tensor_slot(t) -> bool | None:
+    """True for a ``Tensor``/``Tensor?`` argument, False for one that holds no tensor or device, else None."""
+    kind = t.kind()
+    if kind == "TensorType":
+        return True
+    if kind in _NO_TENSOR:
+        return False
+    if kind == "OptionalType":
+        return _tensor_slot(t.getElementType())
+    if kind == "ListType" and _tensor_slot(t.getElementType()) is False:
+        return False  # int[], float[], ...: lists of tensors take the general path
+    return None
+
+
+class _Plan:
+    """What dispatching one op needs to know, read from its schema once."""
+
+    __slots__ = ("func", "kind", "run", "mixed_ok", "view", "fast", "tensors")
+
+    def __init__(self, func):
+        self.func = func
+        if func is _aten.native_dropout.default:
+            self.kind = _DROPOUT
+        elif func is _aten.native_dropout_backward.default:
+            self.kind = _DROPOUT_BACKWARD
+        elif func.namespace.startswith("_c10d_functional"):  # DTensor's collectives reach the "nccl" group
+            self.kind = _COLLECTIVE
+        elif func in attention.CPU_KERNELS:  # GPU-only ops, computed on the CPU reference path
+            self.kind = _KERNEL
+        elif any(a.name == "generator" for a in func._schema.arguments):  # drawn from the GPU's generator
+            self.kind = _RANDOM
+        elif func in _LEAVING_OPS:
+            self.kind = _TO
+        else:
+            self.kind = _PLAIN
+        # the C++ operator itself: OpOverload.__call__ is one more Python frame around it
+        self.run = attention.CPU_KERNELS.get(func) or (func._op if type(func) is torch._ops.OpOverload else func)
+        self.mixed_ok = func in _MIXED_OK
+        # a view op's outputs share the storage of its first argument
+        self.view = bool(getattr(func, "is_view", False))
+        slots = [_tensor_slot(a.type) for a in func._schema.arguments if not a.kwarg_only]
+        self.tensors = tuple(i for i, slot in enumerate(slots) if slot)
+        self.fast = self.kind == _PLAIN and None not in slots
+
+
+_PLANS: dict[int, _Plan] = {}
+
+
+def _fast(plan: _Plan, args: tuple):
+    """``_dispatch`` of a plain op called with positional arguments only; None to take the general path.
+
+    Anything unusual (tensors on two GPUs, or a CPU tensor alongside) goes the general way, which
+    allows it or raises the device's error.
+    """
+    uargs = list(args)
+    first = None
+    n = len(args)
+    for i in plan.tensors:
+        if i >= n:
+            break
+        a = args[i]
+        if isinstance(a, MirageTensor):
+            if first is None:
+                first = a
+            elif a._gpu != first._gpu:
+                return None
+            uargs[i] = a._elem
+        elif isinstance(a, torch.Tensor) and a.dim() > 0:  # 0-dim CPU tensors (and numbers) are scalars
+            return None
+    if first is None:
+        return None
+    override = dev.allocation_override()
+    gpu = first._gpu if override is None else override
+    out = plan.run(*uargs)
+    if type(out) is not torch.Tensor:
+        return _wrap(out, gpu, [a for a in args if isinstance(a, MirageTensor)], plan, args)
+    for a in args:  # in-place ops (and lift_fresh) return their argument: hand back the same wrapper
+        if isinstance(a, MirageTensor) and a._elem is out:
+            return _same_wrapper(a, out, gpu)
+    if out.is_conj() or out.is_neg():
+        return _new(out.resolve_conj().resolve_neg(), gpu, None)  # see _wrap_one
+    if plan.view and args[0] is first:
+        src = first._src
+        return _new(out, gpu, first if src is None else src)
+    return _new(out, gpu, None)
+
+
+def _dispatch(func, plan: _Plan, args, kwargs):
     """Run ``func`` on the CPU tensors inside the wrappers and wrap what it returns."""
-    # Hand-written unwrap/wrap of the argument shapes aten uses (tensors, lists and
-    # tuples of them, devices): every op comes through here, and pytree is ~2x slower.
-    un = _Unwrap(func)
-    uargs = tuple(un(a) for a in args)
-    ukwargs = {k: un(v) for k, v in kwargs.items()} if kwargs else {}
-    gpu = un.gpu
-    if un.cpu_seen is not None and gpu is not None and func not in _MIXED_OK:
-        raise RuntimeError(
-            f"Expected all tensors to be on the same device, but found at least two devices, cuda:{gpu} and cpu!"
-        )
-    target = args[1] if func is _aten.to.device else kwargs.get("device") if kwargs else None
-    if target is not None and target.type == "cpu" and func in _LEAVING_OPS:
-        # leaves the GPU: a plain CPU tensor. aten.to itself arrives here inside another subclass's
-        # dispatch (DTensor's RNG tracker moves its state to the host), and would return its host input
-        out = func(*uargs, **ukwargs)
-        return out.clone() if out is uargs[0] else out
+    # Hand-written unwrap of the argument shapes aten uses (tensors, lists and tuples of them,
+    # devices): pytree is ~2x slower.
+    inputs: list[MirageTensor] = []
+    cpus: list[torch.Tensor] = []
+    uargs = _unwrap(args, inputs, cpus)
+    ukwargs = dict(zip(kwargs, _unwrap(kwargs.values(), inputs, cpus))) if kwargs else {}
+    gpu = inputs[0]._gpu if inputs else None
+    if not plan.mixed_ok and gpu is not None:
+        for w in inputs:
+            if w._gpu != gpu:
+                raise RuntimeError(
+                    "Expected all tensors to be on the same device, but found at least two devices, "
+                    f"cuda:{gpu} and cuda:{w._gpu}!"
+                )
+        if cpus:
+            raise RuntimeError(
+                f"Expected all tensors to be on the same device, but found at least two devices, cuda:{gpu} and cpu!"
+            )
     override = dev.allocation_override()
     out_gpu = override if override is not None else gpu if gpu is not None else dev.STATE.current
-    if func is _aten.native_dropout.default:
-        return _wrap(rng.native_dropout(*uargs, out_gpu), out_gpu, un.wrappers)
-    if func.namespace.startswith("_c10d_functional"):  # DTensor's collectives reach the "nccl" group
+    kind = plan.kind
+    if kind == _PLAIN or kind == _KERNEL:
+        out = plan.run(*uargs, **ukwargs)
+    elif kind == _TO:
+        target = args[1] if func is _aten.to.device else kwargs.get("device") if kwargs else None
+        out = plan.run(*uargs, **ukwargs)
+        if target is not None and target.type == "cpu":
+            # leaves the GPU: a plain CPU tensor. aten.to itself arrives here inside another subclass's
+            # dispatch (DTensor's RNG tracker moves its state to the host), and would return its host input
+            return out.clone() if out is uargs[0] else out
+    elif kind == _DROPOUT:
+        out = rng.native_dropout(*uargs, out_gpu)
+    elif kind == _DROPOUT_BACKWARD:
+        out = _native_dropout_backward(*uargs, **ukwargs)
+    elif kind == _COLLECTIVE:
         from shim.backend import functional_collective
 
-        return _wrap(functional_collective(func, uargs, ukwargs, out_gpu), out_gpu, un.wrappers)
-    kernel = attention.CPU_KERNELS.get(func)  # GPU-only ops, computed on the CPU reference path
-    if kernel is not None:
-        return _wrap(kernel(*uargs, **ukwargs), out_gpu, un.wrappers)
-    if rng.GENERATOR_ARG.get(func, 0) != rng.NO_GENERATOR:  # a random op, or one not seen yet
-        return _wrap(rng.call_random(func, uargs, ukwargs, out_gpu), out_gpu, un.wrappers)
-    return _wrap(func(*uargs, **ukwargs), out_gpu, un.wrappers)
+        out = functional_collective(func, uargs, ukwargs, out_gpu)
+    else:  # _RANDOM
+        out = rng.call_random(func, tuple(uargs), ukwargs, out_gpu)
+    return _wrap(out, out_gpu, inputs, plan, args)
 
 
 _CPU = torch.device("cpu")
 
 
-class _Unwrap:
-    """Replaces wrappers by their CPU tensors, noting their GPU and which wrapper each came from."""
-
-    __slots__ = ("func", "gpu", "wrappers", "cpu_seen")
-
-    def __init__(self, func):
-        self.func = func
-        self.gpu: int | None = None
-        self.wrappers: dict[int, MirageTensor] = {}
-        self.cpu_seen: torch.Tensor | None = None
-
-    def __call__(self, a):
+def _unwrap(items, inputs: list, cpus: list) -> list:
+    """``items`` with every wrapper replaced by its CPU tensor; wrappers go to ``inputs``, CPU tensors to ``cpus``."""
+    out = []
+    for a in items:
         if isinstance(a, MirageTensor):
-            if self.gpu is None:
-                self.gpu = a._gpu
-            elif a._gpu != self.gpu and self.func not in _MIXED_OK:
-                raise RuntimeError(
-                    "Expected all tensors to be on the same device, but found at least two devices, "
-                    f"cuda:{self.gpu} and cuda:{a._gpu}!"
-                )
-            self.wrappers[id(a._elem)] = a
-            return a._elem
-        if isinstance(a, torch.Tensor):
-            if a.dim() > 0:
-                self.cpu_seen = a
-            return a
-        if isinstance(a, (list, tuple)):
-            return type(a)([self(x) for x in a]) if not isinstance(a, torch.Size) else a
-        if isinstance(a, torch.device) and a.type == BACKEND:
-            return _CPU
-        return a
-
-
-def _wrap(out, gpu: int, wrappers: dict[int, MirageTensor]):
-    if isinstance(out, torch.Tensor):
-        return _wrap_one(out, gpu, wrappers)
-    if isinstance(out, (list, tuple)):
-        return type(out)([_wrap(o, gpu, wrappers) for o in out])
+            inputs.append(a)
+            a = a._elem
+        elif isinstance(a, torch.Tensor):
+            if a.dim() > 0:  # a 0-dim CPU tensor is a scalar, which any op takes alongside cuda ones
+                cpus.append(a)
+        elif isinstance(a, (list, tuple)) and not isinstance(a, torch.Size):
+            a = type(a)(_unwrap(a, inputs, cpus))
+        elif isinstance(a, torch.device) and a.type == BACKEND:
+            a = _CPU
+        out.append(a)
     return out
 
 
-def _wrap_one(o: torch.Tensor, gpu: int, wrappers: dict[int, MirageTensor]) -> torch.Tensor:
+def _wrap(out, gpu: int, inputs: list, plan: _Plan, args):
+    """Wrap an op's result (a tensor, or lists and tuples of them) on GPU ``gpu``."""
+    src = None
+    if plan.view and args and isinstance(args[0], MirageTensor):
+        src = args[0]._src
+        if src is None:  # the wrapper that holds the storage, so views never form a chain
+            src = args[0]
+    if isinstance(out, torch.Tensor):
+        return _wrap_one(out, gpu, {id(w._elem): w for w in inputs}, src)
+    if isinstance(out, (list, tuple)):
+        return _wrap_all(out, gpu, {id(w._elem): w for w in inputs}, src)
+    return out
+
+
+def _wrap_all(out, gpu: int, inputs: dict, src):
+    return type(out)([
+        _wrap_one(o, gpu, inputs, src) if isinstance(o, torch.Tensor)
+        else _wrap_all(o, gpu, inputs, src) if isinstance(o, (list, tuple))
+        else o
+        for o in out
+    ])
+
+
+def _wrap_one(o: torch.Tensor, gpu: int, inputs: dict, src) -> torch.Tensor:
+    """Wrap ``o``; ``inputs`` maps the id of each argument's CPU tensor to its wrapper."""
     if isinstance(o, MirageTensor):
         return o
-    # in-place and out= ops return their argument: hand back the same wrapper
-    w = wrappers.get(id(o))
-    if w is None:
-        if o.is_conj() or o.is_neg():
-            # The wrapper cannot carry the conjugate/negative bits of a lazy view (conj(),
-            # _neg_view()), and kernels run on the CPU tensor would not see them: materialize
-            # the view (it stops aliasing its base, as resolve_conj() does).
-            o = o.resolve_conj().resolve_neg()
-        return MirageTensor(o, gpu)
+    w = inputs.get(id(o))
+    if w is not None:  # in-place and out= ops return their argument: hand back the same wrapper
+        return _same_wrapper(w, o, gpu)
+    if o.is_conj() or o.is_neg():
+        # The wrapper cannot carry the conjugate/negative bits of a lazy view (conj(),
+        # _neg_view()), and kernels run on the CPU tensor would not see them: materialize
+        # the view (it stops aliasing its base, as resolve_conj() does).
+        return _new(o.resolve_conj().resolve_neg(), gpu, None)
+    return _new(o, gpu, src)
+
+
+def _same_wrapper(w: MirageTensor, o: torch.Tensor, gpu: int) -> MirageTensor:
+    """The wrapper ``w`` of ``o``, which an in-place or out= op returned, with ``o``'s geometry."""
     if w.shape != o.shape or w.stride() != o.stride() or w.storage_offset() != o.storage_offset():
         # resize_, out= of another shape and in-place view ops (t_, squeeze_, as_strided_) changed
         # the CPU tensor's geometry; the wrapper keeps its own. Copy the new geometry onto the same
         # Python object (set_data), since callers, and C++ composites such as arange that return
         # their own out tensor, keep their reference to it.
-        w.data = MirageTensor(o, gpu)
+        w.data = _new(o, gpu, None)
         ALLOCATOR.moved(w)  # a resize may have re-allocated the storage: the GPU's books follow
     return w
+
+
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+
+
+def _new(elem: torch.Tensor, gpu: int, src: MirageTensor | None) -> MirageTensor:
+    """A wrapper of ``elem`` on GPU ``gpu``: counted through ``src`` (a view of its storage), else on its own."""
+    r = _make_wrapper(
+        MirageTensor,
+        elem.size(),
+        strides=elem.stride(),
+        storage_offset=elem.storage_offset(),
+        dtype=elem.dtype,
+        layout=elem.layout,
+        device=BACKEND_DEVICE,
+    )
+    r._elem = elem
+    r._gpu = gpu
+    if src is None:
+        r._mem = ALLOCATOR.hold(elem, gpu)
+    else:
+        r._src = src
+    return r
+
+
+def _native_dropout_backward(grad_output: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """``aten.native_dropout_backward``: the CPU kernel's ``grad_output * mask * scale``, less one temporary."""
+    return grad_output.mul(mask).mul_(scale)
 
 
 def _empty_memory_format(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
