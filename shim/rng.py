@@ -139,6 +139,30 @@ def _generator_arg(func) -> int:
     return NO_GENERATOR
 
 
+_RANDOM_OVERLOAD: dict = {}  # op -> the overload that takes a generator (itself, a sibling, or None)
+
+
+def random_overload(func):
+    """``func`` if it takes a generator; else its sibling overload that does (``randn_like`` ->
+    ``randn_like.generator``), which the CPU kernel would otherwise skip for the CPU's generator;
+    None for an op that draws nothing."""
+    if func in _RANDOM_OVERLOAD:
+        return _RANDOM_OVERLOAD[func]
+    found = None
+    if _generator_arg(func) != NO_GENERATOR:
+        found = func
+    elif hasattr(func, "_overloadpacket"):
+        own = [(a.name, str(a.type)) for a in func._schema.arguments]
+        for name in func._overloadpacket.overloads():
+            other = getattr(func._overloadpacket, name)
+            args = [(a.name, str(a.type)) for a in other._schema.arguments]
+            if _generator_arg(other) != NO_GENERATOR and [a for a in args if a[0] != "generator"] == own:
+                found = other
+                break
+    _RANDOM_OVERLOAD[func] = found
+    return found
+
+
 def _numel(out) -> int:
     if isinstance(out, torch.Tensor):
         return out.numel()
@@ -153,6 +177,7 @@ def call_random(func, args: tuple, kwargs: dict, gpu: int):
     The op's own generator, if it was given one, is used instead; an emulated
     GPU's generator then counts the values drawn in its offset.
     """
+    func = random_overload(func) or func
     pos = GENERATOR_ARG.get(func)
     if pos is None:
         pos = GENERATOR_ARG[func] = _generator_arg(func)

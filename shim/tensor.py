@@ -178,7 +178,7 @@ class _Plan:
             self.kind = _COLLECTIVE
         elif func in attention.CPU_KERNELS:  # GPU-only ops, computed on the CPU reference path
             self.kind = _KERNEL
-        elif any(a.name == "generator" for a in func._schema.arguments):  # drawn from the GPU's generator
+        elif rng.random_overload(func) is not None:  # drawn from the GPU's generator
             self.kind = _RANDOM
         elif func in _LEAVING_OPS:
             self.kind = _TO
