@@ -2,12 +2,15 @@
 
     python bench/allreduce_perf.py --ranks 2 4
     python bench/allreduce_perf.py --ranks 2 --transport shm socket --max-bytes 64MiB
+    python bench/allreduce_perf.py --ranks 2 4 8 --min-bytes 64MiB --max-bytes 64MiB   # daemon CPU per GB
 
 Prints, per rank count, a table in the shape of nccl-tests' all_reduce_perf
 (size, count, type, time, algbw, busbw) for each emulated transport and for
 gloo, with the ratio of bus bandwidths; the machine's memcpy bandwidth measured
 in the same run (the physical ceiling of a shared-memory transport); and the
-daemon's CPU time. ``--transport socket`` runs the emulated NCCL with
+daemon's CPU time, for the whole run and per GB of all-reduced tensors (every
+emulated all-reduce of the run, warm-ups included, counted once at its size,
+not once per rank). ``--transport socket`` runs the emulated NCCL with
 ``NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1``, so its bytes travel as ZeroMQ frames
 (NET/Socket) instead of through shared memory.
 """
@@ -43,13 +46,13 @@ def memcpy_gbps(nbytes: int = 256 << 20, reps: int = 5) -> float:
 TRANSPORT_ENV = {"shm": [], "socket": ["--env", "NCCL_P2P_DISABLE=1", "--env", "NCCL_SHM_DISABLE=1"]}
 
 
-def run(ranks: int, transport: str, max_bytes: int) -> tuple[list[dict], float | None]:
+def run(ranks: int, transport: str, min_bytes: int, max_bytes: int) -> tuple[list[dict], float | None]:
     """One mirage run of the worker: its rows (one per size) and the daemon's CPU seconds."""
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]))
         r = subprocess.run(
             [sys.executable, "-m", "mirage_tui", "run", "--log-dir", tmp, "--gpus-per-node", str(ranks),
-             "--env", f"ALLREDUCE_MAX_BYTES={max_bytes}", *TRANSPORT_ENV[transport], "--",
+             "--env", f"ALLREDUCE_MIN_BYTES={min_bytes}", "--env", f"ALLREDUCE_MAX_BYTES={max_bytes}", *TRANSPORT_ENV[transport], "--",
              "torchrun", "--standalone", f"--nproc_per_node={ranks}", str(ROOT / "bench/allreduce_worker.py")],
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800,
         )
@@ -83,12 +86,13 @@ def main() -> None:
     p.add_argument("--transport", nargs="+", choices=sorted(TRANSPORT_ENV), default=["shm"],
                    help="emulated transports to measure, one run each (gloo is measured in each run; "
                         "the table shows the first run's)")
+    p.add_argument("--min-bytes", type=parse_bytes, default=0, help="smallest size (default 8B)")
     p.add_argument("--max-bytes", type=parse_bytes, default=256 << 20, help="largest size (default 256MiB)")
     a = p.parse_args()
     ceiling = memcpy_gbps()
     print(f"memcpy bandwidth (numpy, 256 MiB, this machine): {ceiling:.2f} GB/s")
     for ranks in a.ranks:
-        runs = {t: run(ranks, t, a.max_bytes) for t in a.transport}
+        runs = {t: run(ranks, t, a.min_bytes, a.max_bytes) for t in a.transport}
         rows = {t: rs for t, (rs, _) in runs.items()}
         gloo = rows[a.transport[0]]
         factor = 2 * (ranks - 1) / ranks  # busbw = algbw x 2(n-1)/n, as nccl-tests define it
@@ -108,9 +112,13 @@ def main() -> None:
             line += "".join(f" {row['gloo_s'] / sec:11.2f}" for sec in times[:-1])
             line += f" {n / min(times[:-1]) / 1e9 * factor / ceiling:13.0%}"
             print(line)
-        for t, (_, cpu) in runs.items():
+        for t, (rs, cpu) in runs.items():
             if cpu is not None:
-                print(f"daemon CPU time ({t}): {cpu:.2f} s for the whole run (all sizes, warm-ups and iterations)")
+                gb = sum(r["bytes"] * r["nccl_calls"] for r in rs) / 1e9
+                # per GB only where large sizes dominate the run (else it is the per-call cost, spread thin)
+                per_gb = f"; {cpu / gb:.3f} s per GB all-reduced ({gb:.2f} GB)" if gb >= 0.1 else ""
+                print(f"daemon CPU time ({t}): {cpu:.2f} s for the whole run (all sizes, warm-ups and iterations)"
+                      + per_gb)
 
 
 if __name__ == "__main__":

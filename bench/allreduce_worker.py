@@ -10,8 +10,9 @@ import time
 import torch
 import torch.distributed as dist
 
-SIZES = [8 << (2 * i) for i in range(13)] + [256 << 20]  # 8 B ... 128 MiB, 256 MiB
-#: the largest size to time (bench/allreduce_perf.py --max-bytes)
+SIZES = sorted([8 << (2 * i) for i in range(13)] + [64 << 20, 256 << 20])  # 8 B ... 256 MiB, and issue 4's 64 MiB
+#: the sizes to time (bench/allreduce_perf.py --min-bytes, --max-bytes)
+MIN_BYTES = int(os.environ.get("ALLREDUCE_MIN_BYTES", "0"))
 MAX_BYTES = int(os.environ.get("ALLREDUCE_MAX_BYTES", str(SIZES[-1])))
 
 
@@ -29,15 +30,16 @@ def main() -> None:
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl")
     gloo = dist.new_group(backend="gloo")
-    for nbytes in (n for n in SIZES if n <= MAX_BYTES):
+    for nbytes in (n for n in SIZES if MIN_BYTES <= n <= MAX_BYTES):
         count = max(1, nbytes // 4)
-        iters = max(2, min(200, (64 << 20) // max(nbytes, 1)))
+        iters = max(4, min(200, (64 << 20) // max(nbytes, 1)))
         x = torch.ones(count, device="cuda")
         c = torch.ones(count)
         t_nccl = timed(lambda: dist.all_reduce(x), iters)
         t_gloo = timed(lambda: dist.all_reduce(c, group=gloo), iters)
         if rank == 0:
-            print(json.dumps({"bytes": count * 4, "count": count, "world": world, "nccl_s": t_nccl, "gloo_s": t_gloo}),
+            print(json.dumps({"bytes": count * 4, "count": count, "world": world, "nccl_s": t_nccl, "gloo_s": t_gloo,
+                              "nccl_calls": iters + 1}),
                   flush=True)
     dist.destroy_process_group()
 

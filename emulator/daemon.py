@@ -11,13 +11,17 @@ must carry the session token; anything malformed gets an ``Error`` reply and a
 
 from __future__ import annotations
 
+import errno
 import hmac
+import itertools
 import os
 import resource
 import signal
+import socket
 import sys
 import time
 import traceback
+from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
@@ -37,6 +41,10 @@ EVENT_SOCKET = "events.sock"
 PROGRESS_INTERVAL_S = 0.05
 HANG_SCAN_INTERVAL_S = 0.1
 PEER_CHECK_INTERVAL_S = 0.02
+#: How long a published event may wait to go out with later ones. One PUB frame per loop pass
+#: woke the daemon's I/O thread and three threads of the session for every collective; on two
+#: cores that CPU came out of the collectives' latency. Nothing reads events faster than this.
+EVENT_BATCH_S = 0.01
 #: Refused requests written to daemon.log one by one; after that, one line per thousand.
 REFUSALS_LOGGED = 20
 #: Largest communicator: mirage's largest cluster (1024 nodes x 64 GPUs).
@@ -48,6 +56,12 @@ _MEMORY_FIELDS = ("rank", "node", "device", "allocated", "reserved", "peak", "to
 #: (the socket transport) may be this big.
 MAX_FRAME_BYTES = s.MAX_DATA_FRAME_BYTES
 ONE_FRAME = "malformed request: expected one frame (data frames follow only a socket-transport collective)"
+#: How a fast-socket connection is named where a ZeroMQ client's routing id would be: ZeroMQ's own
+#: ids are 5 bytes starting with a zero byte and it refuses ids that a client sets starting with
+#: one, so these (longer) names cannot collide with a ZeroMQ client's.
+FAST_CLIENT = b"\x00fast:"
+#: What the daemon's side of a fast connection may hold unsent (a reply larger than this is refused).
+FAST_SNDBUF = 1 << 20
 
 
 def endpoints(run_dir: str) -> tuple[str, str]:
@@ -79,6 +93,24 @@ class Daemon:
         self.pub.setsockopt(zmq.SNDHWM, 0)  # events are never dropped for a slow session
         self.pub.setsockopt(zmq.LINGER, 2000)
         self.pub.bind(events)
+        # the fast socket (schema.FAST_SOCKET): ranks' requests without data frames, one datagram each
+        fast_path = os.path.join(run_dir, s.FAST_SOCKET)
+        if os.path.exists(fast_path):  # a previous daemon of this run directory left it
+            os.unlink(fast_path)
+        self.fast = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.fast.bind(fast_path)
+        self.fast.listen(256)
+        self.fast.setblocking(False)
+        self.fast_path = fast_path
+        self.fast_conns: dict[bytes, socket.socket] = {}  # FAST_CLIENT name -> connection
+        self.fast_names: dict[socket.socket, bytes] = {}
+        self.fast_by_fd: dict[int, socket.socket] = {}  # the poller answers with file descriptors
+        self.fast_backlog: dict[bytes, deque[bytes]] = {}  # replies waiting for room, in order
+        self._fast_ids = itertools.count(1)  # names are never reused: a new process never gets old replies
+        self._fast_buf = bytearray(s.FAST_MAX_MESSAGE_BYTES + 1)  # +1: a longer request shows as too long
+        self.poller = zmq.Poller()
+        self.poller.register(self.router, zmq.POLLIN)
+        self.poller.register(self.fast, zmq.POLLIN)
         self.ledger = Ledger()
         self.scheduler = WaveScheduler()
         self.hangs = HangDetector(hang_timeout_s)
@@ -91,22 +123,28 @@ class Daemon:
         self.payloads: dict[str, dict[tuple[bytes, int], np.ndarray | Segmented]] = {}
         self.running = True
         self._outbox: list[bytes] = []
+        self._outbox_since = 0.0  # when the oldest queued event was published
         self.refused = 0  # requests refused so far (bad token, malformed)
 
     # ------------------------------------------------------------ plumbing
 
     def publish(self, event: s.Event) -> None:
         """Queue an event; :meth:`flush_events` sends the queue as one frame (one send, not one per event)."""
+        if not self._outbox:
+            self._outbox_since = time.monotonic()
         self._outbox.append(s.encode(event))
 
-    def flush_events(self) -> None:
-        """Send the queued events, once per loop pass, in the order they were published."""
-        if self._outbox:
+    def flush_events(self, force: bool = True) -> None:
+        """Send the queued events in the order they were published; unless ``force``, only once the
+        oldest has waited ``EVENT_BATCH_S``."""
+        if self._outbox and (force or time.monotonic() - self._outbox_since >= EVENT_BATCH_S):
             self.pub.send(s.encode_events(self._outbox))
             self._outbox = []
 
     def reply(self, client: bytes, msg: s.Reply, data: np.ndarray | None = None) -> None:
         """Send ``msg`` to ``client``; ``data`` (a socket-transport output) follows as one frame, not copied."""
+        if client.startswith(FAST_CLIENT):
+            return self.reply_fast(client, msg)  # never with data: socket-transport requests use ZeroMQ
         try:
             if data is None:
                 self.router.send_multipart([client, s.encode(msg)], zmq.NOBLOCK)
@@ -116,6 +154,82 @@ class Daemon:
                 self.router.send_multipart([client, s.encode(msg), data], zmq.NOBLOCK, copy=False)
         except zmq.ZMQError:
             pass  # the client is gone; its rank will be reported dead by the session
+
+    def reply_fast(self, client: bytes, msg: s.Reply) -> None:
+        """Send ``msg`` on a fast connection; behind earlier replies if those are still waiting for room."""
+        conn = self.fast_conns.get(client)
+        if conn is None:
+            return  # the rank is gone; the session reports it
+        data = s.encode(msg)
+        backlog = self.fast_backlog.get(client)
+        if backlog is not None:
+            backlog.append(data)
+            return
+        try:
+            conn.send(data)
+        except BlockingIOError:  # the rank is not reading (busy in its own code): keep it for POLLOUT
+            self.fast_backlog[client] = deque([data])
+            self.poller.modify(conn, zmq.POLLIN | zmq.POLLOUT)
+        except OSError as e:
+            if e.errno == errno.EMSGSIZE:  # still answered: the rank must not wait forever
+                conn.send(s.encode(s.Error(req=msg.req, code="ncclInternalError",
+                                           message=f"daemon reply of {len(data)} bytes too large for the fast socket")))
+            # else the connection is gone; its rank will be reported dead by the session
+
+    def accept_fast(self) -> None:
+        """Take new connections on the fast socket."""
+        while True:
+            try:
+                conn, _ = self.fast.accept()
+            except BlockingIOError:
+                return
+            conn.setblocking(False)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, FAST_SNDBUF)
+            name = FAST_CLIENT + str(next(self._fast_ids)).encode()
+            self.fast_conns[name] = conn
+            self.fast_names[conn] = name
+            self.fast_by_fd[conn.fileno()] = conn
+            self.poller.register(conn, zmq.POLLIN)
+
+    def read_fast(self, conn: socket.socket) -> None:
+        """Answer the requests waiting on one fast connection (bounded, so waves keep running)."""
+        name = self.fast_names[conn]
+        for _ in range(256):
+            try:
+                n = conn.recv_into(self._fast_buf)
+            except BlockingIOError:
+                return
+            except OSError:
+                n = 0
+            if n == 0:  # the rank closed it (exited)
+                return self.drop_fast(conn)
+            if n > s.FAST_MAX_MESSAGE_BYTES:
+                self.refuse(name, 0, f"malformed request: longer than {s.FAST_MAX_MESSAGE_BYTES} bytes")
+                continue
+            self.handle(name, bytes(memoryview(self._fast_buf)[:n]))
+
+    def flush_fast(self, conn: socket.socket) -> None:
+        """Send a fast connection's waiting replies, as far as there is room."""
+        name = self.fast_names[conn]
+        backlog = self.fast_backlog[name]
+        while backlog:
+            try:
+                conn.send(backlog[0])
+            except BlockingIOError:
+                return
+            except OSError:
+                break
+            backlog.popleft()
+        del self.fast_backlog[name]
+        self.poller.modify(conn, zmq.POLLIN)
+
+    def drop_fast(self, conn: socket.socket) -> None:
+        self.poller.unregister(conn)
+        name = self.fast_names.pop(conn)
+        del self.fast_by_fd[conn.fileno()]
+        self.fast_conns.pop(name, None)
+        self.fast_backlog.pop(name, None)
+        conn.close()
 
     def payload_of(self, p: Posted) -> np.ndarray | Segmented | None:
         """The bytes a socket-transport rank sent with its request (taken: each is consumed once)."""
@@ -353,14 +467,26 @@ class Daemon:
 
     def serve(self) -> None:
         """The loop: take requests, run a wave, repeat; exits when ``running`` drops."""
-        poller = zmq.Poller()
-        poller.register(self.router, zmq.POLLIN)
         parent = os.getppid()
         next_scan = next_peer_check = 0.0
         self.publish_ready()
         while self.running:
-            busy = self.scheduler.busy
-            if poller.poll(0 if busy else PEER_CHECK_INTERVAL_S * 1000):
+            if self.scheduler.busy:
+                wait_s = 0.0
+            elif self._outbox:  # wake up to send them even if nothing else happens
+                wait_s = max(0.0, min(PEER_CHECK_INTERVAL_S, self._outbox_since + EVENT_BATCH_S - time.monotonic()))
+            else:
+                wait_s = PEER_CHECK_INTERVAL_S
+            ready = dict(self.poller.poll(wait_s * 1000))
+            for sock, flags in ready.items():
+                if sock == self.fast.fileno():
+                    self.accept_fast()
+                elif (conn := self.fast_by_fd.get(sock)) is not None:
+                    if flags & zmq.POLLOUT:
+                        self.flush_fast(conn)
+                    if flags & zmq.POLLIN and conn in self.fast_names:  # (flush_fast may have dropped it)
+                        self.read_fast(conn)
+            if self.router in ready:
                 for _ in range(256):  # bounded, so waves keep running under load
                     try:
                         client = self.router.recv(zmq.NOBLOCK)
@@ -387,7 +513,7 @@ class Daemon:
                 )
                 for finding in self.hangs.scan(self.ledger, now, busy):
                     self.publish(finding)
-            self.flush_events()
+            self.flush_events(force=False)
             if _orphaned(parent):
                 break  # the session is gone: nobody is left to serve
 
@@ -417,6 +543,13 @@ class Daemon:
         self.flush_events()
         for arena in self.arenas.values():
             arena.close()
+        for conn in list(self.fast_names):
+            self.drop_fast(conn)
+        self.fast.close()
+        try:
+            os.unlink(self.fast_path)
+        except OSError:
+            pass
         self.router.close(0)
         self.pub.close()
         self.ctx.term()

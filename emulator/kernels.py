@@ -132,6 +132,25 @@ def reduce(parts: list[np.ndarray], op: ReduceOp, dtype: str) -> np.ndarray:
     return _from_compute(acc, dtype)
 
 
+def reduce_into(parts: list[np.ndarray], op: ReduceOp, dtype: str, out: np.ndarray) -> None:
+    """Reduce equally-shaped typed views element-wise into ``out`` (which may be ``parts[0]``).
+
+    Straight into the output, one pass per input, where the storage dtype is
+    the compute dtype: no temporary to fill and copy (bfloat16 goes through
+    :func:`reduce`'s float32 accumulator). ``out`` must not alias any of
+    ``parts[1:]``: each is read after ``out`` has been written.
+    """
+    if dtype == "bfloat16" or len(parts) < 2:
+        out[...] = reduce(parts, op, dtype)
+        return
+    check_reduce(op, dtype)
+    fn = _BOOL_BINARY[op] if dtype == "bool" else _BINARY[op]
+    fn(parts[0], parts[1], out=out)
+    for p in parts[2:]:
+        fn(out, p, out=out)
+    _average(out, op, len(parts))
+
+
 def _average(acc: np.ndarray, op: ReduceOp, n: int) -> None:
     if op is ReduceOp.AVG:
         if acc.dtype.kind in "iu":

@@ -21,7 +21,10 @@ from emulator.arena import Arena
 from emulator.ledger import Communicator, Posted
 from emulator.schema import CollOp, Collective, Transport
 
-CHUNK_BYTES = 2 << 20
+#: 512 KiB, NCCL's step size (its 4 MiB buffer over 8 steps); smaller than the 2 MiB it was, a
+#: chunk's first output is still in the core's 2 MiB L2 when the kernel copies it to the others
+#: (a 64 MiB two-rank all-reduce, in process: 12.7 ms, against 16.9 ms in 2 MiB chunks).
+CHUNK_BYTES = 512 << 10
 WAVE_BYTES = 16 << 20
 
 
@@ -62,10 +65,14 @@ class Job:
 
 
 def _allreduce(job: Job, a: int, b: int) -> None:
+    # reduced into the first output (rank 0's arena, or the socket ranks' shared buffer), then
+    # copied to the others: one pass less than through a temporary. Outputs are each rank's own
+    # buffer, so the first aliases no input but rank 0's, which it may.
     req = job.first
-    acc = kernels.reduce([x[a:b] for x in job.inputs], req.reduce_op, req.dtype)
-    for out in job.targets:
-        out[a:b] = acc
+    first = job.targets[0][a:b]
+    kernels.reduce_into([x[a:b] for x in job.inputs], req.reduce_op, req.dtype, first)
+    for out in job.targets[1:]:
+        out[a:b] = first
 
 
 def _broadcast(job: Job, a: int, b: int) -> None:

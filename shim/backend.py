@@ -227,6 +227,11 @@ def _inject(seq: int) -> bool:
 
 #: Posting and completing collectives, from any thread of the process.
 _COLLECTIVE_LOCK = threading.Lock()
+#: Entered with the lock: staging and delivering only touch plain CPU tensors (a collective's
+#: unwrapped data, arena views), so the global ``CudaMode`` has nothing to do there, and passing
+#: its ``__torch_function__`` on each of their dozen torch calls was a fifth of a small
+#: all-reduce's time in the rank.
+_PLAIN = torch._C.DisableTorchFunction
 
 
 class _Pending:
@@ -345,7 +350,7 @@ class _CollectiveWork(dist.Work):
 
     def wait(self, timeout=None) -> bool:
         if self._last is not None and not self._last.done:
-            with _COLLECTIVE_LOCK:
+            with _COLLECTIVE_LOCK, _PLAIN():
                 _complete_through(self._last)
         return True
 
@@ -353,7 +358,7 @@ class _CollectiveWork(dist.Work):
         last = self._last
         if last is None or last.done:
             return True
-        with _COLLECTIVE_LOCK:
+        with _COLLECTIVE_LOCK, _PLAIN():
             if last.done:
                 return True
             upto = list(itertools.takewhile(lambda p: p is not last, _PENDING)) + [last]
@@ -473,7 +478,7 @@ class MirageProcessGroup(dist.ProcessGroup):
         esize = dtype.itemsize
         out_off = cl.aligned(staged_numel * esize)
         same = op in (s.CollOp.ALLREDUCE, s.CollOp.BROADCAST)
-        with _COLLECTIVE_LOCK:
+        with _COLLECTIVE_LOCK, _PLAIN():
             if _PENDING:  # on a stream a collective reads its inputs after earlier ones wrote their outputs
                 reads = _storages(inputs)
                 for p in reversed(_PENDING):

@@ -1,4 +1,5 @@
-"""The rank's connection to the daemon: requests over ZeroMQ, data through its arena or as frames.
+"""The rank's connection to the daemon: requests over its fast unix socket or ZeroMQ, data through
+its arena or as frames.
 
 The shared-memory transport stages a collective's bytes in the rank's arena;
 the socket transport (NCCL's NET/Socket: ranks on different emulated nodes,
@@ -8,9 +9,9 @@ and gets the output back as a frame after the reply.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
+import socket
 import threading
 import time
 
@@ -41,13 +42,33 @@ def _pid_gone(pid: int) -> bool:
         return False
 
 
+def _connect_fast(endpoint: str) -> socket.socket | None:
+    """The daemon's fast socket (``schema.FAST_SOCKET``, next to its ``ipc://`` endpoint), or None."""
+    if not endpoint.startswith("ipc://"):
+        return None
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        sock.connect(os.path.join(os.path.dirname(endpoint[len("ipc://"):]), s.FAST_SOCKET))
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
 class DaemonClient:
-    """One DEALER socket per process, shared by threads and by requests in flight.
+    """A process's connection to the daemon, shared by threads and by requests in flight.
+
+    Two channels: the daemon's unix SOCK_SEQPACKET socket for requests without
+    data frames whose transport is shared memory (every message one syscall
+    each way, no I/O threads), and a ZeroMQ DEALER socket for the rest (the
+    socket transport's data frames), or for everything when the fast socket
+    cannot be reached. A communicator's collectives all take the same channel,
+    so the daemon sees them in the order they were posted.
 
     Replies can come back in any order (a receive posted before a collective
     may finish after it): whoever reads a reply that is not theirs leaves it
-    in ``_stash`` for its owner, and the data frame that came with it in
-    ``_data``.
+    in the channel's stash for its owner, and the data frame that came with it
+    in ``_data``.
     """
 
     def __init__(self, endpoint: str, token: str, session: str, tag: str, daemon_pid: int = 0):
@@ -62,6 +83,18 @@ class DaemonClient:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._stash: dict[int, s.Reply] = {}
+        self._fast = _connect_fast(endpoint)
+        # sends go through a second socket object on the same connection: a reader changes its own
+        # object's timeout (0 to poll), which must not make a concurrent send give up
+        self._fast_tx = None if self._fast is None else socket.socket(fileno=os.dup(self._fast.fileno()))
+        if self._fast_tx is not None:
+            self._fast_tx.settimeout(DAEMON_CHECK_S)
+        # guards the fast stash; one thread at a time reads the socket (without the lock) and wakes
+        # the others when it stashes a reply, so a thread waiting on the socket never holds anyone up
+        self._fast_cond = threading.Condition(threading.Lock())
+        self._fast_reading = False
+        self._fast_stash: dict[int, s.Reply | None] = {}  # req -> its reply; None: sent, not answered yet
+        self._fast_buf = bytearray(s.FAST_MAX_MESSAGE_BYTES + 1)  # +1: a longer message shows as too long
         self._data: dict[int, zmq.Frame] = {}
         self._arena: Arena | None = None
         self._generation = 0
@@ -75,7 +108,21 @@ class DaemonClient:
         after staging it into an arena.
         """
         req = next(self._ids)
-        head = s.encode(dataclasses.replace(msg, token=self.token, req=req))
+        head = s.encode(msg, token=self.token, req=req)
+        if (
+            self._fast is not None and data is None and len(head) <= s.FAST_MAX_MESSAGE_BYTES
+            and getattr(msg, "transport", s.Transport.SHM) is s.Transport.SHM
+        ):
+            with self._fast_cond:
+                self._fast_stash[req] = None
+            while True:
+                try:
+                    self._fast_tx.send(head)
+                    return req
+                except TimeoutError:  # the daemon is busy (a long wave) and its queue is full: wait on
+                    self._check_daemon()
+                except OSError:
+                    raise self._gone() from None
         step = s.MAX_DATA_FRAME_BYTES
         frames = [data[i : i + step] for i in range(0, len(data), step)] if data is not None else []
         trackers = []
@@ -94,13 +141,67 @@ class DaemonClient:
                     self._check_daemon()
         return req
 
+    def _gone(self) -> DaemonGone:
+        return DaemonGone(
+            f"mirage: the emulator daemon (pid {self.daemon_pid or '?'}) is gone, so no collective can complete; "
+            f"see {os.path.join(os.environ.get('MIRAGE_RUN_DIR', '.'), 'daemon.log')}"
+        )
+
     def _check_daemon(self) -> None:
         """Raise :class:`DaemonGone` once the daemon's process has exited."""
         if self.daemon_pid and _pid_gone(self.daemon_pid):
-            raise DaemonGone(
-                f"mirage: the emulator daemon (pid {self.daemon_pid}) is gone, so no collective can complete; "
-                f"see {os.path.join(os.environ.get('MIRAGE_RUN_DIR', '.'), 'daemon.log')}"
-            )
+            raise self._gone()
+
+    def _read_fast(self, timeout_s: float) -> bool:
+        """Read one message from the fast socket into its stash; False on timeout.
+
+        Called with ``_fast_cond`` held and ``_fast_reading`` set by the caller;
+        the lock is let go while the read blocks.
+        """
+        self._fast_cond.release()
+        try:
+            self._fast.settimeout(timeout_s)
+            n = self._fast.recv_into(self._fast_buf)
+            got = s.decode(bytes(memoryview(self._fast_buf)[:n])) if n else None
+        except (TimeoutError, BlockingIOError):  # BlockingIOError: a poll, with timeout 0
+            return False
+        except OSError:
+            raise self._gone() from None
+        except s.SchemaError:
+            return True  # the daemon only sends what it encoded; nothing to hand anyone
+        finally:
+            self._fast_cond.acquire()
+        if got is None:  # the daemon closed the connection: it exited
+            raise self._gone()
+        if isinstance(got, s.Reply) and got.req in self._fast_stash:
+            self._fast_stash[got.req] = got
+            self._fast_cond.notify_all()  # it may be another thread's
+        return True
+
+    def _wait_fast(self, req: int, timeout_s: float) -> s.Reply:
+        """``wait`` for a request sent on the fast socket: a blocking read, woken by the reply itself."""
+        deadline = time.monotonic() + timeout_s
+        with self._fast_cond:
+            while True:
+                reply = self._fast_stash.get(req)
+                if reply is not None:
+                    del self._fast_stash[req]
+                    return reply
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no reply from the mirage daemon within {timeout_s:.0f} s")
+                # bounded, so that a dead daemon is noticed
+                if self._fast_reading:  # another thread reads; it wakes us when it stashes a reply
+                    self._fast_cond.wait(min(left, DAEMON_CHECK_S))
+                    continue
+                self._fast_reading = True
+                try:
+                    read = self._read_fast(min(left, DAEMON_CHECK_S))
+                finally:
+                    self._fast_reading = False
+                    self._fast_cond.notify()  # someone else may read now
+                if not read:
+                    self._check_daemon()
 
     def _read(self) -> s.Reply | None:
         """Read one message (lock held): the reply, its data frame set aside in ``_data``."""
@@ -122,6 +223,8 @@ class DaemonClient:
 
     def wait(self, req: int, timeout_s: float = 60.0) -> s.Reply:
         """The reply to request ``req``, once it comes (TimeoutError after ``timeout_s``)."""
+        if req in self._fast_stash:
+            return self._wait_fast(req, timeout_s)
         deadline = time.monotonic() + timeout_s
         next_check = time.monotonic() + DAEMON_CHECK_S
         while True:
@@ -145,6 +248,17 @@ class DaemonClient:
 
     def poll(self, req: int) -> bool:
         """Whether the reply to ``req`` has arrived (reads what is waiting, never blocks)."""
+        if req in self._fast_stash:
+            with self._fast_cond:
+                if not self._fast_reading:  # else the reading thread stashes it
+                    self._fast_reading = True
+                    try:
+                        while self._fast_stash.get(req) is None and self._read_fast(0.0):
+                            pass
+                    finally:
+                        self._fast_reading = False
+                        self._fast_cond.notify()
+                return self._fast_stash.get(req) is not None
         with self._lock:
             while self._sock.poll(0):
                 got = self._read()
@@ -174,6 +288,9 @@ class DaemonClient:
     def close(self) -> None:
         if self._arena is not None:
             self._arena.unlink()
+        if self._fast is not None:
+            self._fast.close()
+            self._fast_tx.close()
         self._sock.close(0)
 
 

@@ -7,9 +7,11 @@ arena. No torch.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
+import socket
 
 import numpy as np
 import pytest
@@ -581,3 +583,83 @@ def test_device_outside_the_node_is_refused(daemon):
     ok = daemon.group(2)
     outs = ok.run(C.ALLREDUCE, [np.ones(4, np.float32)] * 2)
     np.testing.assert_array_equal(outs[0], np.full(4, 2.0, np.float32))
+
+
+# ---------------------------------------------------------------- the fast socket
+
+
+class FastClient:
+    """A rank's connection to the daemon's fast socket (unix SOCK_SEQPACKET), as ``shim/client.py`` uses it.
+
+    The interface of ``daemon_client.Client``, so a group's rank can use either.
+    """
+
+    def __init__(self, daemon):
+        self.token = daemon.token
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.sock.connect(os.path.join(daemon.run_dir, s.FAST_SOCKET))
+        self._ids = itertools.count(1)
+
+    def send(self, msg: s.Request, token: str | None = None) -> int:
+        req = next(self._ids)
+        fields = {**msg.__dict__, "token": self.token if token is None else token, "req": req}
+        self.sock.send(s.encode(type(msg)(**fields)))
+        return req
+
+    def send_raw(self, data: bytes) -> None:
+        self.sock.send(data)
+
+    def recv(self, timeout_s: float = TIMEOUT_S) -> s.Reply:
+        self.sock.settimeout(timeout_s)
+        reply = s.decode(self.sock.recv(s.MAX_MESSAGE_BYTES))
+        assert isinstance(reply, s.Reply), reply
+        return reply
+
+    def call(self, msg: s.Request, token: str | None = None) -> s.Reply:
+        req = self.send(msg, token)
+        reply = self.recv()
+        assert reply.req == req, (reply, req)
+        return reply
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_fast_socket_answers_and_refuses_as_zeromq_does(daemon):
+    c = FastClient(daemon)
+    assert isinstance(c.call(s.Ping()), s.Ok)
+    rep = c.call(s.Ping(), token="nope")
+    assert isinstance(rep, s.Error) and rep.code == "protocol" and "token" in rep.message
+    for raw, why in ((b"{", "malformed"), (b"x" * (s.FAST_MAX_MESSAGE_BYTES + 1), "longer than")):
+        c.send_raw(raw)
+        rep = c.recv()
+        assert isinstance(rep, s.Error) and rep.code == "protocol" and why in rep.message, rep
+    assert isinstance(c.call(s.Ping()), s.Ok)
+    c.close()
+
+
+def test_fast_socket_and_zeromq_ranks_share_a_communicator(daemon):
+    g = daemon.group(3, join=False)
+    g.ranks[1].client.close()
+    g.ranks[1].client = FastClient(daemon)
+    g.join()
+    for i in range(5):  # in order, several times: each rank's replies come on its own channel
+        xs = [rng(i * 3 + r).integers(-1000, 1000, 257).astype(np.float32) for r in range(3)]
+        outs = g.run(C.ALLREDUCE, xs)
+        for out in outs:
+            np.testing.assert_array_equal(out, xs[0] + xs[1] + xs[2])
+
+
+def test_vanished_fast_client_does_not_block_daemon(fresh_daemon):
+    d = fresh_daemon
+    g = d.group(2, join=False)
+    g.ranks[0].client.close()
+    g.ranks[0].client = FastClient(d)
+    g.join()
+    for r in g.ranks:
+        r.ensure_arena(64)
+    g.ranks[0].post(C.ALLREDUCE, 4, out_numel=4)
+    g.ranks[0].client.close()  # rank 0 dies waiting
+    g.ranks[1].post(C.ALLREDUCE, 4, out_numel=4)
+    assert isinstance(g.ranks[1].client.recv(), s.Done)
+    assert isinstance(d.client().call(s.Ping()), s.Ok)

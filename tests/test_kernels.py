@@ -172,3 +172,26 @@ def test_typed_views_and_itemsize():
         itemsize("complex64")
     with pytest.raises(KernelError):
         typed(raw, "float8_e4m3fn")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "int32", "int64", "uint8", "bool", "bfloat16"])
+@pytest.mark.parametrize("op", ALL_OPS)
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_reduce_into_matches_reduce_in_place_or_not(dtype, op, world):
+    # the all-reduce kernel reduces straight into rank 0's buffer (its input, when in place)
+    if dtype == "bool":
+        parts = [np.random.default_rng(r).integers(0, 2, 257).astype(bool) for r in range(world)]
+    elif dtype == "bfloat16":
+        parts = [bf16_bits(np.random.default_rng(r).standard_normal(257).astype(np.float32)) for r in range(world)]
+    else:
+        parts = parts_of(dtype, world=world)
+    if dtype == "bool" and op is R.AVG:
+        with pytest.raises(KernelError):
+            kernels.reduce_into(parts, op, dtype, np.empty_like(parts[0]))
+        return
+    want = reduce(parts, op, dtype)
+    out = np.empty_like(parts[0])
+    kernels.reduce_into(parts, op, dtype, out)
+    np.testing.assert_array_equal(out, want)
+    kernels.reduce_into(parts, op, dtype, parts[0])
+    np.testing.assert_array_equal(parts[0], want)

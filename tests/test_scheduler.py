@@ -100,7 +100,7 @@ def drain(sched: WaveScheduler, limit: int = 10_000) -> list[tuple[list[Job], li
 
 def test_defaults_are_nccl_sized():
     sched = WaveScheduler()
-    assert (sched.chunk_bytes, sched.wave_bytes) == (CHUNK_BYTES, WAVE_BYTES) == (2 << 20, 16 << 20)
+    assert (sched.chunk_bytes, sched.wave_bytes) == (CHUNK_BYTES, WAVE_BYTES) == (512 << 10, 16 << 20)
     assert not sched.busy
     assert sched.run_wave() == ([], [])
 
