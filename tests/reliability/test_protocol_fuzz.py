@@ -172,3 +172,66 @@ def test_connection_churn_leaks_nothing():
         assert_healthy(d)
     finally:
         d.stop()
+
+
+def test_fuzzed_messages_and_churn_on_the_fast_socket():
+    """The fast socket (fast.sock, one datagram per request) refuses what ZeroMQ refuses, and lets go of
+    connections that vanish: 3,000 fuzzed datagrams, then 300 clients that send and close unread."""
+    import socket
+
+    d = DaemonProcess(hang_timeout_s=0.2)
+    try:
+        daemon = psutil.Process(d.proc.pid)
+        fds = daemon.num_fds()
+        path = os.path.join(d.run_dir, s.FAST_SOCKET)
+        arenas = [d.track(Arena.create(arena_name(d.session, f"ff-r{i}-g1"), 4096)).name for i in range(4)]
+        f = Fuzzer(11, d.token, d.session, arenas, big=False)
+        refuser = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        refuser.connect(path)
+        refuser.settimeout(10)
+        hostile = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        hostile.connect(path)
+        hostile.setblocking(False)
+        refused = 0
+        for _ in range(3000):
+            if f.gen.random() < 0.7:
+                frames = f.refusable()
+                if len(frames) != 1 or not frames[0]:
+                    # a datagram is one message (multi-frame messages are ZeroMQ's to refuse), and an
+                    # empty one reads as the end of the connection (checked below)
+                    continue
+                refuser.send(frames[0])
+                rep = s.decode(refuser.recv(s.MAX_MESSAGE_BYTES))
+                assert isinstance(rep, s.Error) and rep.code == "protocol", rep
+                refused += 1
+            else:
+                for message in f.hostile():
+                    if len(message) == 1:  # those with data frames are socket-transport requests: ZeroMQ's
+                        hostile.send(message[0])
+                while True:  # read what came back, answers or errors as the daemon sees fit
+                    try:
+                        hostile.recv(s.MAX_MESSAGE_BYTES)
+                    except BlockingIOError:
+                        break
+        assert refused > 1500
+        refuser.close()
+        hostile.close()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sock.connect(path)
+        sock.settimeout(10)
+        sock.send(b"")
+        assert sock.recv(s.MAX_MESSAGE_BYTES) == b""  # the daemon hung up on that connection only
+        sock.close()
+        for i in range(300):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            sock.connect(path)
+            sock.send([s.encode(s.Ping(token=d.token, req=i)), s.encode(s.Ping(token="bad", req=i)), b"\xff"][i % 3])
+            sock.close()
+        deadline = time.monotonic() + 10
+        while daemon.num_fds() > fds + 20 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert daemon.num_fds() <= fds + 20, (fds, daemon.num_fds())
+        assert_healthy(d)
+    finally:
+        d.stop()
+    assert not session_segments(d.session)
