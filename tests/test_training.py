@@ -112,10 +112,11 @@ def test_async_collectives_soak(tmp_path):
     assert "[0] async_soak_ok" in r.stdout
 
 
-def test_fsdp2_matches_gloo(tmp_path, gpus=2):
+def test_fsdp2_matches_gloo(tmp_path):
     """meta init + to_empty, per-layer fully_shard with bf16 params / fp32 reduce, explicit prefetch,
-    clip_grad_norm_ on DTensors, broadcast_from_rank0, DCP save/load round trip."""
-    steps = 4
+    clip_grad_norm_ on DTensors, broadcast_from_rank0, DCP save/load round trip. (On 4 GPUs it also
+    matches gloo, in 23 s: by hand, see docs/compatibility.md.)"""
+    gpus, steps = 2, 4
     r = mirage_run(tmp_path, "--gpus-per-node", str(gpus), "--env", f"FSDP2_DIR={tmp_path}", "--", "torchrun",
                    "--standalone", f"--nproc_per_node={gpus}", str(FIXTURES / "fsdp2_train.py"), steps=steps)
     assert r.returncode == 0, r.stdout + r.stderr
