@@ -97,6 +97,9 @@ def _run_app(app: MirageApp, body) -> None:
     async def main() -> None:
         async with app.run_test(size=SIZE) as pilot:
             await body(pilot)
+            # let callbacks the body's last step queued (a sub_title's Header update) run before the app
+            # tears its widgets down: Textual raises NoMatches for a Header update that lands after
+            await pilot.pause()
 
     try:
         asyncio.run(main())
