@@ -22,25 +22,9 @@ import time
 from pathlib import Path
 
 import torch
-from dispatch_worker import block, mlp
+from dispatch_worker import block, make_step, mlp
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def make_step(make, shape, device: str):
-    torch.manual_seed(0)
-    model = make().to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x = torch.randn(*shape, device=device)
-
-    def step():
-        opt.zero_grad()
-        model(x).float().pow(2).mean().backward()
-        opt.step()
-
-    for _ in range(3):
-        step()
-    return step
 
 
 def native(fn):

@@ -21,7 +21,8 @@ def block() -> nn.Module:
     return nn.TransformerEncoderLayer(d_model=256, nhead=4, dim_feedforward=1024, batch_first=True)
 
 
-def step_time(make, shape, device: str, steps: int, windows: int) -> float:
+def make_step(make, shape, device: str):
+    """One AdamW training step of ``make()`` on ``device``, warmed up (three steps taken)."""
     torch.manual_seed(0)
     model = make().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -34,6 +35,11 @@ def step_time(make, shape, device: str, steps: int, windows: int) -> float:
 
     for _ in range(3):
         step()
+    return step
+
+
+def step_time(make, shape, device: str, steps: int, windows: int) -> float:
+    step = make_step(make, shape, device)
     best = float("inf")
     for _ in range(windows):
         start = time.perf_counter()
