@@ -42,3 +42,19 @@ def no_orphans(tmp_path):
     assert not left, f"processes left behind: {left}"
     shm = [n for n in os.listdir("/dev/shm") if any(n.startswith(f"mirage-{s}-") for s in sessions)]
     assert not shm, f"shared memory left behind: {shm}"
+
+
+# ---------------------------------------------------------------- a daemon
+
+@pytest.fixture(scope="module")
+def daemon():
+    """A real ``python -m emulator`` daemon shared by a test module; it must leave no arena behind."""
+    from daemon_client import DaemonProcess
+    from emulator.arena import session_segments
+
+    d = DaemonProcess()
+    try:
+        yield d
+    finally:
+        d.stop()
+        assert not session_segments(d.session)

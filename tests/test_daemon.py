@@ -18,20 +18,10 @@ import pytest
 
 from daemon_client import TIMEOUT_S, DaemonProcess, Events, bf16_bits, bf16_to_f32
 from emulator import schema as s
-from emulator.arena import Arena, arena_name, session_segments
+from emulator.arena import Arena, arena_name
 
 C = s.CollOp
 R = s.ReduceOp
-
-
-@pytest.fixture(scope="module")
-def daemon():
-    d = DaemonProcess()
-    try:
-        yield d
-    finally:
-        d.stop()
-        assert not session_segments(d.session)
 
 
 @pytest.fixture

@@ -19,23 +19,13 @@ import zmq
 
 from daemon_client import TIMEOUT_S, DaemonProcess, Events
 from emulator import schema as s
-from emulator.arena import Arena, arena_name, session_segments
+from emulator.arena import Arena, arena_name
 from emulator.kernels import Segmented
 from test_run import FIXTURES, SOCKET_ENV, events, mirage_run
 
 C = s.CollOp
 SOCKET = s.Transport.SOCKET
 FRAME = s.MAX_DATA_FRAME_BYTES
-
-
-@pytest.fixture(scope="module")
-def daemon():
-    d = DaemonProcess()
-    try:
-        yield d
-    finally:
-        d.stop()
-        assert not session_segments(d.session)
 
 
 @pytest.fixture(autouse=True)
