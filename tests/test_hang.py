@@ -114,8 +114,8 @@ def test_mismatched_sizes_fail_fast_on_every_rank(tmp_path):
         assert "Detected mismatch" in (run_dir(tmp_path) / f"rank-{rank}.log").read_text()
 
 
-def inject(tmp_path, action: str):
-    return mirage_run(tmp_path, "--gpus-per-node", "2", "--hang-timeout", str(HANG_TIMEOUT_S),
+def inject(tmp_path, action: str, hang_timeout_s: float = HANG_TIMEOUT_S):
+    return mirage_run(tmp_path, "--gpus-per-node", "2", "--hang-timeout", str(hang_timeout_s),
                       "--inject", f"rank=1,seq=5,action={action}", "--",
                       "torchrun", "--standalone", "--nproc_per_node=2", str(FIXTURES / "allreduce_loop.py"))
 
@@ -135,7 +135,9 @@ def test_inject_crash(tmp_path):
 
 
 def test_inject_skip_leaves_a_rank_one_collective_behind(tmp_path):
-    r = inject(tmp_path, "skip")
+    # a long hang timeout: the rank that skipped must be seen exiting first, and a loaded machine can take
+    # seconds to tear its interpreter down (the report comes as soon as it is gone, not after the timeout)
+    r = inject(tmp_path, "skip", hang_timeout_s=20.0)
     assert r.returncode != 0
     # rank 1 finishes its loop one collective early and exits; rank 0 waits for #10 in vain
     assert "[1] [rank 1] allreduce_loop_ok" in r.stdout

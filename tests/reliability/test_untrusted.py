@@ -32,7 +32,8 @@ def probes(stdout: str) -> dict[str, str]:
 @pytest.fixture
 def traversable(tmp_path):
     """Let other users traverse (not list) the folders above the run directory, so only its own 0700 stops them."""
-    chain = [tmp_path, tmp_path.parent, tmp_path.parent.parent]
+    # every folder of ours on the way up (pytest's basetemp may be nested under a private folder)
+    chain = [p for p in [tmp_path, *tmp_path.parents] if p != p.parent and p.stat().st_uid == os.getuid()]
     modes = [p.stat().st_mode & 0o777 for p in chain]
     for p, m in zip(chain, modes):
         p.chmod(m | 0o111)
