@@ -5,8 +5,15 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source tests/setup_venv.sh
 
+# Two workers (pytest-xdist): a third of a rank-launching test's time is waiting (for the daemon,
+# a hang timeout, a peer), which the other worker fills. MIRAGE_TEST_WORKERS=0 runs in one process.
+# A short --basetemp: run directories live under tmp_path, and the daemon's socket paths must
+# stay under 108 bytes (xdist's per-worker folders would push them over).
+base=$(mktemp -d /tmp/mt.XXXXXX)
+trap 'rm -rf "$base"' EXIT
 status=0
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@" || status=$?
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider -n "${MIRAGE_TEST_WORKERS:-2}" --basetemp "$base/t" "$@" ||
+    status=$?
 if [[ $status -eq 5 ]]; then
     # pytest's "no tests collected" must not pass as a green run.
     echo "run_suite: pytest collected no tests" >&2
