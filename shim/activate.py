@@ -47,10 +47,11 @@ def activate() -> None:
     _done = True
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
-    from shim import pinned
+    from shim import engine, pinned
     from shim.device import BACKEND
 
     pinned.install()  # its C++ hooks first: torch keeps the first PrivateUse1 hooks registered
+    engine.install()  # and the C++ device guard (the first registered is kept too)
     _setup_privateuseone_for_python_backend(rename=BACKEND, backend_module=_Backend())
     from shim import autocast, cuda, deferred, mode, tensor, torch_compile
 

@@ -73,7 +73,15 @@ def initialize() -> None:
     STATE.initialized = True
     for hook in ON_INITIALIZE:
         hook()
-_alloc = threading.local()
+
+
+class _Allocating(threading.local):
+    # A class default, so that reading it is an attribute hit: getattr(local, name, None) on a
+    # missing name raises and catches an AttributeError, and every op asks (shim/tensor.py).
+    gpu: int | None = None
+
+
+_alloc = _Allocating()
 
 
 def check_index(index: int) -> int:
@@ -90,23 +98,21 @@ def check_index(index: int) -> int:
 
 def allocation_override() -> int | None:
     """The GPU set by an enclosing :func:`allocating_on`, if any."""
-    return getattr(_alloc, "gpu", None)
+    return _alloc.gpu
 
 
 def allocation_device() -> int:
     """The GPU a new tensor with no GPU input lands on (override, else current)."""
-    return getattr(_alloc, "gpu", STATE.current)
+    gpu = _alloc.gpu
+    return STATE.current if gpu is None else gpu
 
 
 @contextmanager
 def allocating_on(gpu: int):
     """Make C++-side allocations in this block land on emulated GPU ``gpu``."""
-    prev = getattr(_alloc, "gpu", None)
+    prev = _alloc.gpu
     _alloc.gpu = gpu
     try:
         yield
     finally:
-        if prev is None:
-            del _alloc.gpu
-        else:
-            _alloc.gpu = prev
+        _alloc.gpu = prev

@@ -1,7 +1,9 @@
 """Build ``shim/pinned_host.cpp``, the pinned host allocator ``shim/pinned.py`` loads.
 
-One C++ file against torch's headers, linked to ``libc10``/``libtorch_cpu``,
-no Python or pybind11: it compiles in about 1.5 s. The library is cached in
+The same way, ``build(source)`` builds the shim's other C++ (``SOURCES``: the
+backend's device guard, ``shim/device_guard.cpp``). Each is one C++ file
+against torch's headers, linked to ``libc10``/``libtorch_cpu``, no Python or
+pybind11: it compiles in about 1.5 s. The library is cached in
 ``$MIRAGE_CACHE_DIR`` if set, else in the virtual environment
 (``<venv>/lib/mirage/``; ``~/.cache/mirage/`` for a Python outside one or a
 venv we cannot write to), named by torch's version and a hash of the source
@@ -12,8 +14,8 @@ compile is recorded next to where the library would be and not retried with
 the same compiler (delete the record to retry), so that every rank of every
 run does not pay for it again.
 
-``python -m shim.pinned_build`` builds it ahead of time (tests/setup_venv.sh
-does) and prints where it is. Nothing here imports torch.
+``python -m shim.pinned_build`` builds them ahead of time (tests/setup_venv.sh
+does) and prints where they are. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ import time
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("pinned_host.cpp")
+#: every library built this way (``source`` below): the pinned allocator, and the backend's device
+#: guard (``shim/device_guard.cpp``, loaded by ``shim/engine.py``); each is cached and fails on its own
+SOURCES = (SOURCE, Path(__file__).with_name("device_guard.cpp"))
 
 
 class BuildError(RuntimeError):
@@ -60,27 +65,29 @@ def _compiler() -> str:
     return cxx
 
 
-def _command(cxx: str, torch_dir: Path, out: Path) -> list[str]:
+def _command(cxx: str, torch_dir: Path, out: Path, source: Path = SOURCE) -> list[str]:
     # the flags torch.utils.cpp_extension uses (C++20, position independent); the C++ ABI is
     # that of every torch 2.13 wheel, and the rpath lets the loader find libc10 from anywhere
     lib = torch_dir / "lib"
     return [*shlex.split(cxx), "-O2", "-std=c++20", "-fPIC", "-shared", "-D_GLIBCXX_USE_CXX11_ABI=1",
-            f"-I{torch_dir / 'include'}", str(SOURCE), "-o", str(out),
+            f"-I{torch_dir / 'include'}", str(source), "-o", str(out),
             f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
 
 
-def library_path() -> Path:
+def library_path(source: Path = SOURCE) -> Path:
     """Where the library for this torch and this source is (or will be) cached; imports nothing heavy."""
     torch_dir = _torch_dir()
-    key = hashlib.sha256(SOURCE.read_bytes())
-    key.update(" ".join(_command("", torch_dir, Path())).encode())
+    key = hashlib.sha256(source.read_bytes())
+    # the flags, not where the source lies: checkouts at other paths share one cached library
+    # (with the path in the key, each build deleted the other checkout's as stale)
+    key.update(" ".join(_command("", torch_dir, Path(), Path(source.name))).encode())
     version = importlib.metadata.version("torch")
-    return _cache_dir() / f"pinned_host-torch{version}-{key.hexdigest()[:12]}.so"
+    return _cache_dir() / f"{source.stem}-torch{version}-{key.hexdigest()[:12]}.so"
 
 
-def build() -> Path:
-    """The library's path, compiling it first if no process has yet; :class:`BuildError` if it cannot be."""
-    out = library_path()
+def build(source: Path = SOURCE) -> Path:
+    """``source``'s library's path, compiling it first if no process has yet; :class:`BuildError` if it cannot be."""
+    out = library_path(source)
     if out.exists():
         return out
     try:
@@ -99,12 +106,12 @@ def build() -> Path:
             raise BuildError(f"{failed.read_text().strip()} (recorded in {failed}; delete it to retry)")
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
         try:
-            r = subprocess.run(_command(cxx, _torch_dir(), tmp), capture_output=True, text=True)
+            r = subprocess.run(_command(cxx, _torch_dir(), tmp, source), capture_output=True, text=True)
         except OSError as e:  # CXX names something that is not a program (not recorded either)
             raise BuildError(f"cannot run the C++ compiler {cxx!r}: {e.strerror}") from None
         if r.returncode != 0:
             errors = [line for line in r.stderr.splitlines() if "error" in line] or r.stderr.splitlines() or ["?"]
-            why = f"compiling {SOURCE.name} failed: {errors[0].strip()}"
+            why = f"compiling {source.name} failed: {errors[0].strip()}"
             failed.write_text(why + "\n")
             tmp.unlink(missing_ok=True)
             raise BuildError(f"{why} (recorded in {failed}; delete it to retry)")
@@ -119,13 +126,19 @@ def build() -> Path:
 
 
 def main() -> None:
-    """``python -m shim.pinned_build``: build now, print the path and how long it took."""
-    start = time.monotonic()
-    try:
-        path = build()
-    except BuildError as e:
-        sys.exit(f"mirage: pinned host allocator not built: {e}")
-    print(f"{path} ({time.monotonic() - start:.1f} s)")
+    """``python -m shim.pinned_build``: build every library now, print the paths and how long each took."""
+    failed = False
+    for source in SOURCES:
+        start = time.monotonic()
+        try:
+            path = build(source)
+        except BuildError as e:
+            print(f"mirage: {source.name} not built: {e}", file=sys.stderr)
+            failed = True
+            continue
+        print(f"{path} ({time.monotonic() - start:.1f} s)")
+    if failed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

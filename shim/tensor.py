@@ -134,8 +134,9 @@ class MirageTensor(torch.Tensor):
         except Exception as e:
             if not deferred.in_backward():
                 raise
-            # On the autograd engine's device thread an exception here aborts the process
-            # (torch's Python device guard calls back into Python while it unwinds), so it
+            # Inside the autograd engine an exception here aborts the process where torch's
+            # Python device guard is in use (it calls back into Python while the exception
+            # unwinds; the C++ one of shim/engine.py does not, but it may not be built), so it
             # is handed to the thread that called backward() instead: see shim/deferred.py.
             return deferred.defer(e, func, args, kwargs)
 
@@ -353,19 +354,18 @@ def _same_wrapper(w: MirageTensor, o: torch.Tensor, gpu: int) -> MirageTensor:
 
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
+_STRIDED = torch.strided
 
 
 def _new(elem: torch.Tensor, gpu: int, src: MirageTensor | None) -> MirageTensor:
     """A wrapper of ``elem`` on GPU ``gpu``: counted through ``src`` (a view of its storage), else on its own."""
-    r = _make_wrapper(
-        MirageTensor,
-        elem.size(),
-        strides=elem.stride(),
-        storage_offset=elem.storage_offset(),
-        dtype=elem.dtype,
-        layout=elem.layout,
-        device=BACKEND_DEVICE,
-    )
+    offset = elem.storage_offset()
+    if offset or elem.layout is not _STRIDED:
+        r = _make_wrapper(MirageTensor, elem.size(), strides=elem.stride(), storage_offset=offset,
+                          dtype=elem.dtype, layout=elem.layout, device=BACKEND_DEVICE)
+    else:
+        # most outputs: the defaults (offset 0, strided) left out, as each keyword costs its parsing
+        r = _make_wrapper(MirageTensor, elem.size(), strides=elem.stride(), dtype=elem.dtype, device=BACKEND_DEVICE)
     r._elem = elem
     r._gpu = gpu
     if src is None:
@@ -420,8 +420,9 @@ def _on_cuda_key(factory):
     """``factory`` for the CUDA dispatch key, which ``device="cuda:i"`` reaches when the mode is not there.
 
     The mode is per thread; threads it does not follow (the autograd engine's
-    device thread running backward hooks, user threads) reach C++ with the
-    cuda device itself. The device's index names the emulated GPU.
+    device thread, for a backward not started from Python, see shim/engine.py;
+    user threads) reach C++ with the cuda device itself. The device's index
+    names the emulated GPU.
     """
 
     def run(*args, device=None, **kwargs):

@@ -55,6 +55,39 @@ def test_ranks_report_gpu_memory_to_the_daemon(tmp_path):
     assert set(report["gpu_memory"]) == {"0", "1"}
 
 
+_BACKWARD_HERE = """
+import threading, torch
+from shim import engine
+print("guard:", engine.GUARD_ERROR)
+w = torch.ones(4, 4, device="cuda", requires_grad=True)
+threads = []
+w.register_hook(lambda g: threads.append(threading.current_thread() is threading.main_thread()) or g * 3)
+(w * 2).sum().backward()
+print("grad", w.grad.device, w.grad.sum().item(), "hooks on the calling thread:", threads)
+with torch.cuda.device(1):
+    s = torch.cuda.Stream()
+    e = torch.cuda.Event(enable_timing=True)
+    e.record(s)
+    print("stream", s.device, e.query(), torch.cuda.current_device())
+"""
+
+
+@pytest.mark.parametrize("compiler", ["c++", "none"])
+def test_backward_runs_on_the_calling_thread_with_either_device_guard(tmp_path, compiler):
+    """shim/engine.py: the graph runs where backward() was called; the C++ device guard, or torch's
+    Python one where it cannot be built, answer the same."""
+    env = [] if compiler == "c++" else ["--env", f"MIRAGE_CACHE_DIR={tmp_path / 'cache'}",
+                                        "--env", "CXX=/nonexistent/c++"]
+    r = mirage_run(tmp_path, "--in-process", "--gpus-per-node", "2", *env, "--", "python", "-c", _BACKWARD_HERE)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    guard = "None" if compiler == "c++" else ("no C++ compiler: '/nonexistent/c++' not found "
+                                              "(CXX names the compiler, default c++)")
+    assert f"[0] guard: {guard}" in lines, lines
+    assert "[0] grad cuda:0 96.0 hooks on the calling thread: [True]" in lines, lines
+    assert "[0] stream cuda:1 True 1" in lines, lines
+
+
 # ---------------------------------------------------------------- the allocator model, in process
 
 def test_allocator_counts_storages_once_and_caches_segments():

@@ -1,0 +1,91 @@
+// The backend device's guard, in C++: what torch asks of a device many times per op.
+//
+// torch.utils.backend_registration registers a Python device guard for
+// PrivateUse1 (torch._C._acc.DeviceGuard): every call (getDevice,
+// exchangeDevice, getStream: autograd asks for a stream for every output it
+// records, and every DeviceGuard sets and restores the device) reaches Python
+// through pybind11 to ask the guard its type_, about 400 times per
+// transformer-block training step. This guard answers the same in C++: one
+// device (mirage:0, which every emulated GPU sits on), one default stream that
+// is always idle, events that have always completed. The emulated GPUs'
+// indices, streams and events live in Python (shim/tensor.py, shim/cuda.py).
+//
+// shim/engine.py loads it (built by shim/pinned_build.py, like
+// pinned_host.cpp: a plain shared library, no Python, no pybind11) and
+// registers it before torch.utils.backend_registration would register the
+// Python one, which then leaves it in place.
+
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+namespace {
+
+constexpr c10::DeviceType kBackend = c10::DeviceType::PrivateUse1;
+
+// Exactly the answers of torch's PythonDeviceGuard (torch/csrc/acc/Module.cpp),
+// without the round trip to Python for type().
+struct MirageDeviceGuard final : c10::impl::DeviceGuardImplInterface {
+  static c10::Device device() {
+    return c10::Device(kBackend, 0);
+  }
+
+  c10::DeviceType type() const override {
+    return kBackend;
+  }
+
+  c10::Device exchangeDevice(c10::Device /*unused*/) const override {
+    return device();
+  }
+
+  c10::Device getDevice() const override {
+    return device();
+  }
+
+  void setDevice(c10::Device /*unused*/) const override {}
+
+  void uncheckedSetDevice(c10::Device /*unused*/) const noexcept override {}
+
+  c10::Stream getStream(c10::Device /*unused*/) const noexcept override {
+    return c10::Stream(c10::Stream::DEFAULT, device());
+  }
+
+  c10::Stream getNewStream(c10::Device /*unused*/, int /*priority*/ = 0) const override {
+    return c10::Stream(c10::Stream::DEFAULT, device());
+  }
+
+  c10::Stream exchangeStream(c10::Stream /*unused*/) const noexcept override {
+    return c10::Stream(c10::Stream::DEFAULT, device());
+  }
+
+  c10::DeviceIndex deviceCount() const noexcept override {
+    return 1;
+  }
+
+  void record(void** /*event*/, const c10::Stream& /*stream*/, const c10::DeviceIndex /*device_index*/,
+              const c10::EventFlag /*flag*/) const override {}
+
+  void block(void* /*event*/, const c10::Stream& /*stream*/) const override {}
+
+  bool queryEvent(void* /*event*/) const override {
+    return true;
+  }
+
+  void destroyEvent(void* /*event*/, const c10::DeviceIndex /*device_index*/) const noexcept override {}
+
+  bool queryStream(const c10::Stream& /*stream*/) const override {
+    return true;
+  }
+
+  void synchronizeStream(const c10::Stream& /*stream*/) const override {}
+};
+
+} // namespace
+
+// 1 when this guard is now PrivateUse1's, 0 when another was registered first
+// (the Python one, if backend_registration ran before).
+extern "C" int mirage_register_device_guard() {
+  if (c10::impl::hasDeviceGuardImpl(kBackend)) {
+    return 0;
+  }
+  c10::impl::registerDeviceGuard(kBackend, new MirageDeviceGuard());  // torch keeps it for the process's life
+  return 1;
+}
