@@ -97,10 +97,14 @@ def main() -> None:
         gloo = rows[a.transport[0]]
         factor = 2 * (ranks - 1) / ranks  # busbw = algbw x 2(n-1)/n, as nccl-tests define it
         print(f"\n# all_reduce, {ranks} ranks, float sum (emulated nccl on cuda per transport, gloo on cpu)")
+        if gloo and "rounds" in gloo[0]:
+            print(f"# time per call: median of {gloo[0]['rounds']} rounds, each a block of calls per backend in turn "
+                  "(min/gloo: the ratio of the fastest blocks)")
         head = f"{'size':>9} {'count':>10} {'type':>6} |"
         for t in [*a.transport, "gloo"]:
             head += f" {t + ' us':>10} {'algbw':>7} {'busbw':>7} |"
         head += "".join(f" {t + '/gloo':>11}" for t in a.transport) + f" {'best of memcpy':>14}"
+        head += "".join(f" {'min ' + t + '/gloo':>15}" for t in a.transport)
         print(head)
         for i, row in enumerate(gloo):
             n = row["bytes"]
@@ -111,6 +115,8 @@ def main() -> None:
                 line += f" {sec * 1e6:10.1f} {alg:7.2f} {alg * factor:7.2f} |"
             line += "".join(f" {row['gloo_s'] / sec:11.2f}" for sec in times[:-1])
             line += f" {n / min(times[:-1]) / 1e9 * factor / ceiling:13.0%}"
+            line += "".join(f" {row['gloo_min_s'] / rows[t][i]['nccl_min_s']:15.2f}" if "gloo_min_s" in row else ""
+                            for t in a.transport)
             print(line)
         for t, (rs, cpu) in runs.items():
             if cpu is not None:

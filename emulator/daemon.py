@@ -29,6 +29,7 @@ import zmq
 
 from emulator import schema as s
 from emulator.arena import Arena, ArenaError, check_name, session_segments
+from emulator.buffers import RankBuffers
 from emulator.hang import HangDetector
 from emulator.kernels import KernelError, Segmented, itemsize
 from emulator.ledger import CommError, Communicator, Ledger, Posted
@@ -62,6 +63,11 @@ ONE_FRAME = "malformed request: expected one frame (data frames follow only a so
 FAST_CLIENT = b"\x00fast:"
 #: What the daemon's side of a fast connection may hold unsent (a reply larger than this is refused).
 FAST_SNDBUF = 1 << 20
+#: The poller's flags as plain ints: ``int & zmq.POLLIN`` goes through ``enum.Flag.__and__`` in Python.
+_POLLIN, _POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
+#: Room for the file descriptors one fast message may carry (RegisterBuffer sends one; a few more
+#: are read only to be closed).
+FAST_MAX_FDS = 4
 
 
 def endpoints(run_dir: str) -> tuple[str, str]:
@@ -76,6 +82,7 @@ class Daemon:
                  hang_timeout_s: float = 30.0):
         self.session = session
         self.token = token
+        self._token_bytes = token.encode()
         self.profile = profile
         self.nodes = nodes
         self.gpus_per_node = gpus_per_node
@@ -108,6 +115,11 @@ class Daemon:
         self.fast_backlog: dict[bytes, deque[bytes]] = {}  # replies waiting for room, in order
         self._fast_ids = itertools.count(1)  # names are never reused: a new process never gets old replies
         self._fast_buf = bytearray(s.FAST_MAX_MESSAGE_BYTES + 1)  # +1: a longer request shows as too long
+        self._fast_anc = socket.CMSG_SPACE(FAST_MAX_FDS * 4)
+        # descriptors that came with the fast request being handled (a RegisterBuffer takes them);
+        # read_fast closes them after handle(), whoever used them
+        self._fds: list[int] = []
+        self.buffers = RankBuffers()  # tensors ranks registered, mapped (zero-copy collectives)
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
         self.poller.register(self.fast, zmq.POLLIN)
@@ -122,7 +134,9 @@ class Daemon:
         # rank's bytes (its data frames, unchanged), kept per communicator so a failure drops them all
         self.payloads: dict[str, dict[tuple[bytes, int], np.ndarray | Segmented]] = {}
         self.running = True
-        self._outbox: list[bytes] = []
+        self._outbox: list[bytes] = []  # encoded events, waiting for their batch
+        self._fresh: list[s.Event | bytes] = []  # events published in this turn of the loop, not encoded yet
+        self._enqueued: dict[tuple, tuple[bytes, bytes, bytes]] = {}  # see publish_enqueued
         self._outbox_since = 0.0  # when the oldest queued event was published
         self.refused = 0  # requests refused so far (bad token, malformed)
 
@@ -130,13 +144,52 @@ class Daemon:
 
     def publish(self, event: s.Event) -> None:
         """Queue an event; :meth:`flush_events` sends the queue as one frame (one send, not one per event)."""
-        if not self._outbox:
+        if not self._outbox and not self._fresh:
             self._outbox_since = time.monotonic()
-        self._outbox.append(s.encode(event))
+        self._fresh.append(event)
+
+    def publish_enqueued(self, req: s.Collective) -> None:
+        """``publish(CollectiveEnqueued(...))`` for ``req``: the same line, from a template.
+
+        One per rank per collective, the most frequent event: built and encoded
+        it was a sixth of a small all-reduce's daemon time. Only its time and
+        sequence number change from one call of the same rank at the same site
+        to the next, so the rest is encoded once per (rank, call site, shape).
+        """
+        key = (req.comm, req.rank, req.op, req.dtype, req.numel, req.device, req.site, req.transport)
+        parts = self._enqueued.get(key)
+        if parts is None:
+            if len(self._enqueued) >= 4096:  # many shapes or sites: start over rather than grow
+                self._enqueued.clear()
+            line = s.encode(s.CollectiveEnqueued(
+                t=1.5, comm=req.comm, seq=123456789, rank=req.rank, op=req.op, dtype=req.dtype, numel=req.numel,
+                device=req.device, site=req.site, transport=req.transport,
+            ))
+            # neither can occur inside a JSON string (its quotes would be escaped there)
+            head, rest = line.split(b'"t":1.5,', 1)
+            middle, tail = rest.split(b',"seq":123456789,', 1)
+            parts = self._enqueued[key] = (head + b'"t":', b"," + middle + b',"seq":', b"," + tail)
+        if not self._outbox and not self._fresh:
+            self._outbox_since = time.monotonic()
+        head, middle, tail = parts
+        self._fresh.append(b"".join((head, repr(time.time()).encode(), middle, str(req.seq).encode(), tail)))
 
     def flush_events(self, force: bool = True) -> None:
         """Send the queued events in the order they were published; unless ``force``, only once the
-        oldest has waited ``EVENT_BATCH_S``."""
+        oldest has waited ``EVENT_BATCH_S``.
+
+        Events are encoded here, at the end of the loop's turn (``serve`` calls
+        this last), not when published: the last request of a small collective
+        no longer waits for its own events (enqueued, started) to be encoded
+        before the replies go out.
+        """
+        if self._fresh:
+            for event in self._fresh:
+                try:
+                    self._outbox.append(event if type(event) is bytes else s.encode(event))
+                except Exception:  # a bug in one event must not stop the loop (nor lose the others)
+                    traceback.print_exc()
+            self._fresh = []
         if self._outbox and (force or time.monotonic() - self._outbox_since >= EVENT_BATCH_S):
             self.pub.send(s.encode_events(self._outbox))
             self._outbox = []
@@ -196,17 +249,29 @@ class Daemon:
         name = self.fast_names[conn]
         for _ in range(256):
             try:
-                n = conn.recv_into(self._fast_buf)
+                # recvmsg: a RegisterBuffer carries its storage's descriptor (SCM_RIGHTS); CLOEXEC so
+                # that none leaks into a child, however briefly we hold it
+                n, anc, flags, _ = conn.recvmsg_into([self._fast_buf], self._fast_anc, socket.MSG_CMSG_CLOEXEC)
             except BlockingIOError:
                 return
             except OSError:
-                n = 0
-            if n == 0:  # the rank closed it (exited)
-                return self.drop_fast(conn)
-            if n > s.FAST_MAX_MESSAGE_BYTES:
-                self.refuse(name, 0, f"malformed request: longer than {s.FAST_MAX_MESSAGE_BYTES} bytes")
-                continue
-            self.handle(name, bytes(memoryview(self._fast_buf)[:n]))
+                n, anc, flags = 0, [], 0
+            fds = _fds_of(anc)
+            try:
+                if n == 0:  # the rank closed it (exited)
+                    return self.drop_fast(conn)
+                if n > s.FAST_MAX_MESSAGE_BYTES:
+                    self.refuse(name, 0, f"malformed request: longer than {s.FAST_MAX_MESSAGE_BYTES} bytes")
+                    continue
+                if flags & socket.MSG_CTRUNC:
+                    self.refuse(name, 0, f"malformed request: more than {FAST_MAX_FDS} file descriptors")
+                    continue
+                self._fds = fds
+                self.handle(name, bytes(memoryview(self._fast_buf)[:n]))
+            finally:
+                self._fds = []
+                for fd in fds:  # taken or not, the daemon keeps none (a mapping outlives its descriptor)
+                    os.close(fd)
 
     def flush_fast(self, conn: socket.socket) -> None:
         """Send a fast connection's waiting replies, as far as there is room."""
@@ -226,6 +291,7 @@ class Daemon:
     def drop_fast(self, conn: socket.socket) -> None:
         self.poller.unregister(conn)
         name = self.fast_names.pop(conn)
+        self.buffers.drop(name)  # a rank's buffers never outlive its connection
         del self.fast_by_fd[conn.fileno()]
         self.fast_conns.pop(name, None)
         self.fast_backlog.pop(name, None)
@@ -260,13 +326,18 @@ class Daemon:
         if not isinstance(msg, s.Request):
             return self.refuse(client, 0, f"{msg.TYPE!r} is not a request")
         # surrogatepass: JSON may carry a lone surrogate ("\ud800"), which strict utf-8 refuses
-        if not hmac.compare_digest(msg.token.encode("utf-8", "surrogatepass"), self.token.encode()):
+        if not hmac.compare_digest(msg.token.encode("utf-8", "surrogatepass"), self._token_bytes):
             return self.refuse(client, msg.req, "unauthorized: wrong or missing session token")
         why, payload = _payload(frames) if socket else ("", None)
         if why:
             return self.refuse(client, msg.req, f"malformed request: {why}")
         try:
-            if isinstance(msg, s.Ping):
+            if type(msg) is s.Collective:  # first: one per rank per collective, the rest are rare
+                if msg.op is s.CollOp.SEND or msg.op is s.CollOp.RECV:
+                    self.post_p2p(client, msg, payload)
+                else:
+                    self.post(client, msg, payload)
+            elif isinstance(msg, s.Ping):
                 self.reply(client, s.Ok(req=msg.req))
                 self.publish_ready()
             elif isinstance(msg, s.Hello):
@@ -287,10 +358,12 @@ class Daemon:
                         comm=msg.comm, rank=msg.rank, size=msg.size, global_rank=msg.global_rank, transport=msg.transport
                     )
                 )
-            elif isinstance(msg, s.Collective) and msg.op in (s.CollOp.SEND, s.CollOp.RECV):
-                self.post_p2p(client, msg, payload)
-            elif isinstance(msg, s.Collective):
-                self.post(client, msg, payload)
+            elif isinstance(msg, s.RegisterBuffer):
+                self.buffers.register(client, msg.buf, msg.nbytes, self._fds)
+                self.reply(client, s.Ok(req=msg.req))
+            elif isinstance(msg, s.ReleaseBuffers):
+                self.buffers.release(client, msg.bufs)
+                self.reply(client, s.Ok(req=msg.req))
             else:
                 self.refuse(client, msg.req, f"unexpected request {msg.TYPE!r}")
         except CommError as e:
@@ -360,19 +433,14 @@ class Daemon:
             self.payloads.get(req.comm, {}).pop((client, req.req), None)
             return self.refuse_post(client, req, _comm_error(e))
         # published once the ledger took it: a refused post was never enqueued
-        self.publish(
-            s.CollectiveEnqueued(
-                comm=req.comm, seq=req.seq, rank=req.rank, op=req.op, dtype=req.dtype,
-                numel=req.numel, device=req.device, site=req.site, transport=req.transport,
-            )
-        )
+        self.publish_enqueued(req)
         if matched is None:
             return
         warning = self.stragglers.observe(comm, matched)
         if warning is not None:
             self.publish(warning)
         try:
-            job = make_job(comm, matched, self.arena, self.payload_of)
+            job = make_job(comm, matched, self.arena, self.payload_of, self.buffers.view)
         except (ArenaError, KernelError, OSError) as e:
             return self.fail(comm, CommError("ncclInvalidArgument", str(e)), extra=matched)
         self.scheduler.submit(job)
@@ -473,8 +541,16 @@ class Daemon:
         while self.running:
             if self.scheduler.busy:
                 wait_s = 0.0
-            elif self._outbox:  # wake up to send them even if nothing else happens
-                wait_s = max(0.0, min(PEER_CHECK_INTERVAL_S, self._outbox_since + EVENT_BATCH_S - time.monotonic()))
+            elif self._outbox or self._fresh:  # wake up to send them even if nothing else happens
+                wait_s = self._outbox_since + EVENT_BATCH_S - time.monotonic()
+                if wait_s < 0.001:
+                    # poll counts whole milliseconds (pyzmq truncates): a wait under one was a 0 ms
+                    # poll, and the loop spun until the batch was due, up to 1 ms of every 10 (five
+                    # loop turns per small collective). The batch goes now, a little early, instead.
+                    self.flush_events()
+                    wait_s = PEER_CHECK_INTERVAL_S
+                else:
+                    wait_s = min(PEER_CHECK_INTERVAL_S, wait_s)
             else:
                 wait_s = PEER_CHECK_INTERVAL_S
             ready = dict(self.poller.poll(wait_s * 1000))
@@ -482,9 +558,9 @@ class Daemon:
                 if sock == self.fast.fileno():
                     self.accept_fast()
                 elif (conn := self.fast_by_fd.get(sock)) is not None:
-                    if flags & zmq.POLLOUT:
+                    if flags & _POLLOUT:
                         self.flush_fast(conn)
-                    if flags & zmq.POLLIN and conn in self.fast_names:  # (flush_fast may have dropped it)
+                    if flags & _POLLIN and conn in self.fast_names:  # (flush_fast may have dropped it)
                         self.read_fast(conn)
             if self.router in ready:
                 for _ in range(256):  # bounded, so waves keep running under load
@@ -543,6 +619,7 @@ class Daemon:
         self.flush_events()
         for arena in self.arenas.values():
             arena.close()
+        self.buffers.close()
         for conn in list(self.fast_names):
             self.drop_fast(conn)
         self.fast.close()
@@ -570,6 +647,15 @@ def _payload(frames: Sequence[zmq.Frame]) -> tuple[str, np.ndarray | Segmented |
                 f"which holds 1 to {MAX_FRAME_BYTES}"), None
     parts = [np.frombuffer(f.buffer, np.uint8) for f in frames]
     return "", parts[0] if len(parts) == 1 else Segmented(parts)
+
+
+def _fds_of(anc: list) -> list[int]:
+    """The file descriptors among a message's ancillary data (SCM_RIGHTS), now ours to close."""
+    fds: list[int] = []
+    for level, kind, data in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.extend(np.frombuffer(data[: len(data) - len(data) % 4], np.int32).tolist())
+    return fds
 
 
 def _sent_back(p: Posted, out: np.ndarray) -> np.ndarray | None:

@@ -6,7 +6,9 @@ copies each input into shared memory (the rank's arena, or a buffer of its own
 while others are in flight), posts it to the daemon with the next sequence
 number of its communicator and returns; its ``Work`` waits for ``Done`` and
 copies the result back, the rank's collectives in the order it posted them, as
-on one stream. The daemon reduces in place, over shared memory.
+on one stream. The daemon reduces in place, over shared memory. A large tensor
+all-reduced or broadcast again is not copied at all: its storage is lent to the
+daemon, which works in it (``shim/shared_buffers.py``).
 
 A communicator whose transport is NET/Socket (members on different emulated
 nodes, or ``NCCL_P2P_DISABLE=1`` and ``NCCL_SHM_DISABLE=1``) sends the input
@@ -39,6 +41,7 @@ from emulator import faults
 from emulator.arena import Arena, arena_name
 from emulator import schema as s
 from shim import client as cl
+from shim import shared_buffers as sb
 from shim import nccl_debug, pinned
 from shim import device as dev
 from shim.cuda import NCCL_VERSION
@@ -65,6 +68,10 @@ _REDUCE = {
 }
 
 
+#: ``_reduction``'s answer for each plain reduction, made once (callers only unpack it)
+_KEYWORDS = {red: {"reduce_op": op} for red, op in _REDUCE.items()}
+
+
 def _reduction(opts) -> dict:
     """``_run``'s keywords for the options' reduction (C++ hands us a ReduceOp wrapping a RedOpType).
 
@@ -73,8 +80,11 @@ def _reduction(opts) -> dict:
     copy, and the daemon sums.
     """
     if opts is None:
-        return {"reduce_op": s.ReduceOp.SUM}
+        return _KEYWORDS[dist.ReduceOp.RedOpType.SUM]
     red = opts.reduceOp
+    kw = _KEYWORDS.get(red.op)  # one lookup for the plain reductions (a third of the time it took)
+    if kw is not None:
+        return kw
     if red.op == dist.ReduceOp.RedOpType.PREMUL_SUM:
         factor = red.factor
         return {"reduce_op": s.ReduceOp.SUM, "premul": factor.item() if isinstance(factor, torch.Tensor) else factor}
@@ -104,13 +114,33 @@ def _nccl_error(code: str, message: str, device: int) -> dist.DistBackendError:
 _INTERNAL_DIRS = (os.path.join(os.path.dirname(torch.__file__), ""), os.path.join(os.path.dirname(__file__), ""))
 
 
+#: code object -> whether it is torch's or mirage's; (code object, line) -> its call site text.
+#: The walk (a dozen frames up from ``_run``) matched each frame's file against the folders on
+#: every collective; now each code object is asked once. Still walked per call: the site is
+#: where this call came from (hang reports name it), and one code object has many lines.
+_INTERNAL_CODE: dict = {}
+_SITES: dict = {}
+
+
 def _call_site() -> str:
     """file:line:function of the first frame outside torch and mirage."""
     f = sys._getframe(2)
+    internal = _INTERNAL_CODE
     while f is not None:
-        name = f.f_code.co_filename
-        if not name.startswith(_INTERNAL_DIRS):
-            return f"{name}:{f.f_lineno}:{f.f_code.co_name}"
+        code = f.f_code
+        inside = internal.get(code)
+        if inside is None:
+            if len(internal) > 4096:  # code made on the fly (exec, eval) must not pile up
+                internal.clear()
+            inside = internal[code] = code.co_filename.startswith(_INTERNAL_DIRS)
+        if not inside:
+            key = (code, f.f_lineno)
+            site = _SITES.get(key)
+            if site is None:
+                if len(_SITES) > 4096:
+                    _SITES.clear()
+                site = _SITES[key] = f"{code.co_filename}:{key[1]}:{code.co_name}"
+            return site
         f = f.f_back
     return ""
 
@@ -153,13 +183,19 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _leaves(args) -> list:
-    """The arguments of a collective with their lists (two levels: lists of lists of tensors) opened."""
-    out = []
+def _any_emulated(args) -> bool:
+    """Whether any argument of a collective, its lists opened (two levels: lists of lists of tensors),
+    is an emulated GPU's tensor; stops at the first (usually the first argument's first tensor)."""
     for a in args:
-        for b in a if isinstance(a, list) else [a]:
-            out.extend(b if isinstance(b, list) else [b])
-    return out
+        if isinstance(a, MirageTensor):
+            return True
+        if isinstance(a, list):
+            for b in a:
+                if isinstance(b, MirageTensor) or (
+                    isinstance(b, list) and any(isinstance(c, MirageTensor) for c in b)
+                ):
+                    return True
+    return False
 
 
 def _cpu_via_gloo(method):
@@ -167,7 +203,7 @@ def _cpu_via_gloo(method):
 
     @functools.wraps(method)
     def route(self, *args, **kwargs):
-        if _host_gpu() is not None or any(isinstance(a, MirageTensor) for a in _leaves(args)):
+        if _any_emulated(args) or _host_gpu() is not None:
             return method(self, *args, **kwargs)
         if self._cpu is None:
             raise RuntimeError("No backend type associated with device type cpu")
@@ -458,11 +494,16 @@ class MirageProcessGroup(dist.ProcessGroup):
     def _run(self, op: s.CollOp, inputs: list[torch.Tensor], out_numel: int, dtype: torch.dtype,
              deliver: Callable[[torch.Tensor], None] | None = None, reduce_op=s.ReduceOp.SUM, root: int = 0,
              device: int | None = None, stage: bool = True, splits: list[int] | None = None,
-             numel: int | None = None, premul: float | None = None) -> _Pending | None:
+             numel: int | None = None, premul: float | None = None,
+             owner: torch.Tensor | None = None) -> _Pending | None:
         """Post one collective; its flat output goes to ``deliver`` when its work completes.
 
         The inputs are staged (copied) now, so the caller may reuse them; the
         output is copied out when the work is waited on (or polled complete).
+        An in-place collective (all-reduce, broadcast) of ``owner``, a large
+        tensor whose data is ``inputs[0]``, may instead run on its storage
+        itself (``shim.shared_buffers``): nothing is copied, the daemon writes
+        the tensor while the collective runs, as a GPU does.
         Returns the posted collective, or None when there is nothing to wait for.
         """
         if self._is_default and _FAULTS and _inject(self._seq + 1):
@@ -488,30 +529,48 @@ class MirageProcessGroup(dist.ProcessGroup):
             if self._socket:
                 return self._post_socket(op, inputs, out_numel, dtype, deliver, reduce_op, root, device, stage,
                                          splits, numel, premul)
-            slot = 0 if not _PENDING else min(set(range(1, len(_PENDING) + 2)) - _busy_slots)
-            arena = _slot_arena(self._client, slot, out_off + (0 if same else out_numel * esize))
-            staged = cl.arena_tensor(arena, 0, staged_numel, dtype)
-            if stage:
-                at = 0
-                for t in inputs:
-                    staged[at : at + t.numel()].copy_(t.reshape(-1))
-                    at += t.numel()
-                if premul is not None:
-                    staged.mul_(premul)
+            shared = sb.of(self._client)
+            shared.flush()
+            zc = None
+            if isinstance(owner, MirageTensor) and same and premul is None and len(inputs) == 1 and (
+                deliver is None or getattr(deliver, "targets", [None])[0] is inputs[0]
+            ):
+                zc = shared.locate(owner, inputs[0])
+            if zc is not None:  # zero-copy: in place in the rank's tensor, no arena
+                slot, arena_name_, in_buf, in_off, out_off = -1, "", zc[0], zc[1], zc[1]
+                staged, deliver, out_view = inputs[0], None, None
+            else:
+                slot = 0 if not _PENDING else min(set(range(1, len(_PENDING) + 2)) - _busy_slots)
+                arena = _slot_arena(self._client, slot, out_off + (0 if same else out_numel * esize))
+                staged = cl.arena_tensor(arena, 0, staged_numel, dtype)
+                if stage:
+                    at = 0
+                    for t in inputs:
+                        staged[at : at + t.numel()].copy_(t.reshape(-1))
+                        at += t.numel()
+                    if premul is not None:
+                        staged.mul_(premul)
+                arena_name_, in_buf, in_off, out_off = arena.name, 0, 0, 0 if same else out_off
+                out_view = None if same else cl.arena_tensor(arena, out_off, out_numel, dtype)
             self._seq += 1
             request = s.Collective(
                 comm=self._comm, seq=self._seq, rank=self._rank, op=op, reduce_op=reduce_op,
                 dtype=str(dtype).removeprefix("torch."), numel=numel, out_numel=out_numel, root=root,
                 # the node's GPU, not the visible ordinal: two ranks that each see "cuda:0"
                 # through CUDA_VISIBLE_DEVICES are on different GPUs
-                device=dev.STATE.physical[device], arena=arena.name, in_off=0, out_off=0 if same else out_off,
+                device=dev.STATE.physical[device], arena=arena_name_, in_off=in_off, out_off=out_off,
                 site=_call_site(),
                 splits=splits or [],
+                in_buf=in_buf, out_buf=in_buf,
             )
             req = self._client.send(request)
-            _busy_slots.add(slot)
-            out_view = None if same else cl.arena_tensor(arena, out_off, out_numel, dtype)
+            if slot >= 0:
+                _busy_slots.add(slot)
             pending = _Pending(self, request, req, slot, staged, out_view, deliver, device, time.monotonic())
+            if zc is not None:
+                # nothing to deliver, but later collectives touching the tensor wait for this one
+                # (it is written while this runs), and the tensor stays alive until then
+                pending.targets = [staged]
             _PENDING.append(pending)
             return pending
 
@@ -552,7 +611,8 @@ class MirageProcessGroup(dist.ProcessGroup):
         red = _reduction(opts)
         for t in tensors:
             elem = _flat(t)
-            self._run(s.CollOp.ALLREDUCE, [elem], elem.numel(), elem.dtype, _into(elem), device=_gpu(t), **red)
+            self._run(s.CollOp.ALLREDUCE, [elem], elem.numel(), elem.dtype, _into(elem), device=_gpu(t), owner=t,
+                      **red)
         return self._done(tensors)
 
     @_cpu_via_gloo
@@ -562,7 +622,7 @@ class MirageProcessGroup(dist.ProcessGroup):
             elem = _flat(t)
             mine = self._rank == root
             self._run(s.CollOp.BROADCAST, [elem], elem.numel(), elem.dtype, None if mine else _into(elem),
-                      root=root, device=_gpu(t), stage=mine)
+                      root=root, device=_gpu(t), stage=mine, owner=t)
         return self._done(tensors)
 
     @_cpu_via_gloo

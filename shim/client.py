@@ -9,6 +9,7 @@ and gets the output back as a frame after the reply.
 
 from __future__ import annotations
 
+import array
 import itertools
 import os
 import socket
@@ -100,24 +101,39 @@ class DaemonClient:
         self._generation = 0
         self._scratch = itertools.count(1)
 
-    def send(self, msg: s.Request, data: memoryview | None = None) -> int:
+    @property
+    def has_fast(self) -> bool:
+        """Whether requests go over the fast socket (the only one that can carry file descriptors)."""
+        return self._fast is not None
+
+    def send(self, msg: s.Request, data: memoryview | None = None, fds: list[int] | None = None,
+             reply: bool = True) -> int:
         """Send ``msg`` (token and id filled in), and ``data`` as its data frames; return the reply's id.
 
         ``data`` is sent without copying it (large frames) and this returns once
         ZeroMQ is done reading it, so the caller may change it afterwards, as
-        after staging it into an arena.
+        after staging it into an arena. ``fds`` go with the message as
+        SCM_RIGHTS (fast socket only; the caller keeps its own copies). With
+        ``reply`` False nobody will wait for the answer: it is dropped on arrival.
         """
         req = next(self._ids)
         head = s.encode(msg, token=self.token, req=req)
+        if fds and (self._fast is None or data is not None or len(head) > s.FAST_MAX_MESSAGE_BYTES):
+            raise ValueError("file descriptors travel only on the fast socket, without data frames")
         if (
             self._fast is not None and data is None and len(head) <= s.FAST_MAX_MESSAGE_BYTES
             and getattr(msg, "transport", s.Transport.SHM) is s.Transport.SHM
         ):
-            with self._fast_cond:
-                self._fast_stash[req] = None
+            if reply:
+                with self._fast_cond:
+                    self._fast_stash[req] = None
+            anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else None
             while True:
                 try:
-                    self._fast_tx.send(head)
+                    if anc is None:
+                        self._fast_tx.send(head)
+                    else:
+                        self._fast_tx.sendmsg([head], anc)
                     return req
                 except TimeoutError:  # the daemon is busy (a long wave) and its queue is full: wait on
                     self._check_daemon()
@@ -266,9 +282,9 @@ class DaemonClient:
                     self._stash[got.req] = got
             return req in self._stash
 
-    def request(self, msg: s.Request, timeout_s: float = 60.0) -> s.Reply:
-        """Send ``msg`` and wait for its reply."""
-        return self.wait(self.send(msg), timeout_s)
+    def request(self, msg: s.Request, timeout_s: float = 60.0, fds: list[int] | None = None) -> s.Reply:
+        """Send ``msg`` (with ``fds``, see :meth:`send`) and wait for its reply."""
+        return self.wait(self.send(msg, fds=fds), timeout_s)
 
     def scratch(self, nbytes: int) -> Arena:
         """A shared-memory buffer of its own, for one point-to-point message in flight."""

@@ -198,6 +198,28 @@ class Allocator:
         t._src = None  # a view counted through the wrapper it was made from now counts for itself
         t._mem = self.hold(t._elem, t._gpu)
 
+    def rehome(self, t, move) -> bool:
+        """Run ``move()``, which gives ``t``'s storage a new address and returns it, and count the storage there.
+
+        ``shim.shared_buffers`` moves a collective's storage into shared memory
+        this way. Refused (False, ``move`` not run) unless ``t``'s wrapper (or
+        the one it was viewed from) is the storage's only holder: any other
+        would release it under the old address, which a new storage may take.
+        """
+        holder = t if t._mem or t._src is None else t._src
+        with self._lock:
+            self._drain()
+            key = holder._mem
+            entry = self._live.get(key) if key else None
+            if entry is None or entry[3] != 1:
+                return False
+            new = move()
+            if new != key and new not in self._live:
+                del self._live[key]
+                self._live[new] = entry
+                holder._mem = new
+            return True
+
     def release(self, key: int) -> None:
         """One wrapper of the storage at ``key`` is gone (safe to call from a finaliser)."""
         self._freed.append(key)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import mmap
 import os
 import random
 import socket
@@ -599,6 +600,12 @@ class FastClient:
     def send_raw(self, data: bytes) -> None:
         self.sock.send(data)
 
+    def send_fds(self, msg: s.Request, fds: list[int]) -> int:
+        """Send ``msg`` with file descriptors (SCM_RIGHTS), as ``RegisterBuffer`` travels."""
+        req = next(self._ids)
+        socket.send_fds(self.sock, [s.encode(msg, token=self.token, req=req)], fds)
+        return req
+
     def recv(self, timeout_s: float = TIMEOUT_S) -> s.Reply:
         self.sock.settimeout(timeout_s)
         reply = s.decode(self.sock.recv(s.MAX_MESSAGE_BYTES))
@@ -653,3 +660,136 @@ def test_vanished_fast_client_does_not_block_daemon(fresh_daemon):
     g.ranks[1].post(C.ALLREDUCE, 4, out_numel=4)
     assert isinstance(g.ranks[1].client.recv(), s.Done)
     assert isinstance(d.client().call(s.Ping()), s.Ok)
+
+
+# ---------------------------------------------------------------- registered buffers (zero-copy)
+
+
+def _memfd(name: str, nbytes: int) -> tuple[int, mmap.mmap]:
+    """A shared-memory file of ``nbytes`` (as torch's shared storages are) and our mapping of it."""
+    fd = os.memfd_create(name)
+    os.ftruncate(fd, nbytes)
+    return fd, mmap.mmap(fd, nbytes)
+
+
+def _daemon_maps(d, name: str) -> int:
+    """How many of the daemon's mappings are of the memfd ``name``."""
+    with open(f"/proc/{d.proc.pid}/maps") as f:
+        return sum(f"/memfd:{name} " in line for line in f)
+
+
+def _fast_group(d, size: int):
+    g = d.group(size, join=False)
+    for r in g.ranks:
+        r.client.close()
+        r.client = FastClient(d)
+    g.join()
+    return g
+
+
+def test_collectives_run_in_registered_buffers(fresh_daemon):
+    d = fresh_daemon
+    g = _fast_group(d, 2)
+    n = 1000
+    xs = [rng(r).integers(-100, 100, n).astype(np.float32) for r in range(2)]
+    # rank 0 lends a tensor's storage (the data at byte offset 256 of it); rank 1 stages in its arena
+    fd, m = _memfd("mirage-test-buf", 256 + n * 4)
+    view = np.frombuffer(m, np.float32, n, 256)
+    view[:] = xs[0]
+    req = g.ranks[0].client.send_fds(s.RegisterBuffer(buf=7, nbytes=256 + n * 4), [fd])
+    os.close(fd)  # the daemon has its own descriptor (closed) and mapping
+    assert isinstance(rep := g.ranks[0].client.recv(), s.Ok) and rep.req == req, rep
+    assert _daemon_maps(d, "mirage-test-buf") == 1
+    g.ranks[1].ensure_arena(n * 4)
+    g.ranks[1].write(0, xs[1])
+    for k in range(3):  # in place, again and again
+        g.ranks[0].post(C.ALLREDUCE, n, out_numel=n, in_buf=7, out_buf=7, in_off=256, out_off=256)
+        g.ranks[1].post(C.ALLREDUCE, n, out_numel=n)
+        assert all(isinstance(r, s.Done) for r in g.replies())
+    want = (xs[0] + xs[1]) * 4
+    np.testing.assert_array_equal(view, want)
+    np.testing.assert_array_equal(g.ranks[1].read(0, n, np.float32), want)
+    # broadcast from the registered buffer's rank; then the buffer receives one
+    g.ranks[1].write(0, xs[1])
+    g.ranks[0].post(C.BROADCAST, n, out_numel=n, root=1, in_buf=7, out_buf=7, in_off=256, out_off=256)
+    g.ranks[1].post(C.BROADCAST, n, out_numel=n, root=1)
+    assert all(isinstance(r, s.Done) for r in g.replies())
+    np.testing.assert_array_equal(view, xs[1])
+    # released: the daemon unmaps it, and a collective naming it fails cleanly
+    g.ranks[0].client.send(s.ReleaseBuffers(bufs=[7, 99]))
+    assert isinstance(g.ranks[0].client.recv(), s.Ok)
+    assert _daemon_maps(d, "mirage-test-buf") == 0
+    g.ranks[0].post(C.ALLREDUCE, n, out_numel=n, in_buf=7, out_buf=7, in_off=256, out_off=256)
+    g.ranks[1].post(C.ALLREDUCE, n, out_numel=n)
+    for rep in g.replies():
+        assert isinstance(rep, s.Error) and rep.code == "ncclInvalidArgument" and "not registered" in rep.message, rep
+    del view
+    m.close()
+
+
+def test_registered_buffers_go_with_their_connection(fresh_daemon):
+    d = fresh_daemon
+    c = FastClient(d)
+    for buf in (1, 2):
+        fd, m = _memfd(f"mirage-test-conn{buf}", 4096)
+        c.send_fds(s.RegisterBuffer(buf=buf, nbytes=4096), [fd])
+        os.close(fd)
+        m.close()
+        assert isinstance(c.recv(), s.Ok)
+    assert _daemon_maps(d, "mirage-test-conn1") == _daemon_maps(d, "mirage-test-conn2") == 1
+    c.close()
+    assert isinstance(d.client().call(s.Ping()), s.Ok)  # (the daemon has read the close by now)
+    assert _daemon_maps(d, "mirage-test-conn1") == _daemon_maps(d, "mirage-test-conn2") == 0
+
+
+def test_bad_registrations_and_references_get_error_replies(fresh_daemon):
+    d = fresh_daemon
+    c = FastClient(d)
+    fd, m = _memfd("mirage-test-bad", 4096)
+    r, w = os.pipe()
+    ro = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY)
+    cases = [
+        (s.RegisterBuffer(buf=1, nbytes=4096), [], "exactly one file descriptor"),
+        (s.RegisterBuffer(buf=1, nbytes=4096), [fd, fd], "exactly one file descriptor"),
+        (s.RegisterBuffer(buf=1, nbytes=4096), [r], "not a shared-memory file"),
+        (s.RegisterBuffer(buf=1, nbytes=8192), [fd], "its file holds 4096"),
+        (s.RegisterBuffer(buf=1, nbytes=0), [fd], "must be positive"),
+        (s.RegisterBuffer(buf=-3, nbytes=4096), [fd], "must be positive"),
+        (s.RegisterBuffer(buf=1, nbytes=4096), [ro], "cannot map"),
+        (s.RegisterBuffer(buf=1, nbytes=1 << 60), [fd], "may have registered"),
+    ]
+    for msg, fds, why in cases:
+        req = c.send_fds(msg, fds) if fds else c.send(msg)
+        rep = c.recv()
+        assert isinstance(rep, s.Error) and rep.req == req and rep.code == "ncclInvalidArgument", (msg, rep)
+        assert why in rep.message, (why, rep.message)
+    # descriptors sent with a message that takes none are closed, not leaked
+    before = len(os.listdir(f"/proc/{d.proc.pid}/fd"))
+    for _ in range(20):
+        c.send_fds(s.Ping(), [fd])
+        assert isinstance(c.recv(), s.Ok)
+    assert len(os.listdir(f"/proc/{d.proc.pid}/fd")) == before
+    assert _daemon_maps(d, "mirage-test-bad") == 0
+    c.send_fds(s.RegisterBuffer(buf=1, nbytes=4096), [fd])
+    assert isinstance(c.recv(), s.Ok)
+    c.send_fds(s.RegisterBuffer(buf=1, nbytes=4096), [fd])
+    rep = c.recv()
+    assert isinstance(rep, s.Error) and "already registered" in rep.message
+    # over ZeroMQ no descriptor can come
+    rep = d.client().call(s.RegisterBuffer(buf=2, nbytes=4096))
+    assert isinstance(rep, s.Error) and "exactly one file descriptor" in rep.message
+    # a collective naming an unknown buffer, or a range outside it, fails its communicator cleanly
+    for kw, why in (({"in_buf": 5, "out_buf": 5}, "not registered"),
+                    ({"in_buf": 1, "out_buf": 1, "in_off": 4040, "out_off": 4040}, "outside buffer"),
+                    ({"in_buf": 1, "out_buf": 1, "in_off": -8, "out_off": -8}, "outside buffer")):
+        g = _fast_group(d, 2)
+        g.ranks[1].ensure_arena(64)
+        g.ranks[0].client.close()
+        g.ranks[0].client = c  # the connection that registered buffer 1
+        g.ranks[0].post(C.ALLREDUCE, 16, out_numel=16, **kw)
+        g.ranks[1].post(C.ALLREDUCE, 16, out_numel=16)
+        for rep in g.replies():
+            assert isinstance(rep, s.Error) and rep.code == "ncclInvalidArgument" and why in rep.message, rep
+    for x in (r, w, ro, fd):
+        os.close(x)
+    m.close()
