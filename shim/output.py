@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import signal
 import sys
 
 from emulator.schema import STACK_SIGNAL
@@ -39,6 +40,10 @@ def arm_stack_dumps(run_dir: str, rank: int) -> None:
     """
     global _stacks_file
     _stacks_file = open(rank_stream_path(run_dir, rank, "stacks"), "a")
-    # no chain: at start-up the previous handler is the default one, which would kill the rank.
-    # A program that installs its own SIGUSR1 handler later replaces this one (its choice).
+    # Ignored underneath: faulthandler puts back the handler it found when the interpreter shuts
+    # down, and a rank still tearing down when a hang report asks every rank for its stacks must
+    # not die of the default action (its launcher would take that for a failure and kill its
+    # peers). Not chained, for the same reason. A program that installs its own SIGUSR1 handler
+    # later replaces this one (its choice); exec'd children start with the default action.
+    signal.signal(STACK_SIGNAL, signal.SIG_IGN)
     faulthandler.register(STACK_SIGNAL, file=_stacks_file, all_threads=True)
