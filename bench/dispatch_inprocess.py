@@ -11,9 +11,9 @@ windows alternate for N rounds; each figure is the best window. ``--clock
 cpu`` times with the process's CPU time, which leaves out time the machine's
 other jobs take from it.
 
-A checkout at another path builds its own copy of the shim's C++ libraries
-(their cache key includes the source's path) and removes this one's from the
-shared cache, which the next run rebuilds: give it its own cache, e.g.
+A checkout whose C++ sources differ builds its own copy of the shim's C++
+libraries and removes this one's from the shared cache, which the next run
+rebuilds: give it its own cache, e.g.
 ``MIRAGE_CACHE_DIR=/tmp/old-cache python bench/... --shim OLD``.
 """
 

@@ -7,9 +7,9 @@ bench/dispatch_inprocess.py does, and times each op on 4-element tensors
 (best of 9 × 300 calls, after 50 to warm up), so that two versions of the shim
 can be compared op by op. Prints microseconds per call.
 
-A checkout at another path builds its own copy of the shim's C++ libraries
-(their cache key includes the source's path) and removes this one's from the
-shared cache, which the next run rebuilds: give it its own cache, e.g.
+A checkout whose C++ sources differ builds its own copy of the shim's C++
+libraries and removes this one's from the shared cache, which the next run
+rebuilds: give it its own cache, e.g.
 ``MIRAGE_CACHE_DIR=/tmp/old-cache python bench/... --shim OLD``.
 """
 

@@ -1,6 +1,6 @@
 """The shim's cost on every op: a CPU-bound training step natively vs on emulated cuda, same machine, one run.
 
-    python bench/dispatch_overhead.py [--rounds N]
+    python bench/dispatch_overhead.py [--rounds N] [--windows W]
 
 Runs bench/dispatch_worker.py three ways: plain CPU torch (no mirage), CPU
 tensors inside a mirage rank (the global TorchFunctionMode's cost alone), and
@@ -43,14 +43,18 @@ def rows(cmd: list[str]) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
-    rounds = parser.parse_args().rounds
+    parser.add_argument("--windows", type=int, default=20,
+                        help="timed windows per worker, best taken (the first ones still warm caches up: with 5, "
+                             "the emulated block's best came out ~10%% slower)")
+    args = parser.parse_args()
+    rounds, windows = args.rounds, str(args.windows)
     runs: dict[str, list[dict[str, float]]] = {"native": [], "moded": [], "emulated": []}
     with tempfile.TemporaryDirectory() as tmp:
         mirage = [sys.executable, "-m", "mirage_tui", "run", "--in-process", "--log-dir", tmp, "--", "python", WORKER]
         for _ in range(rounds):
-            runs["native"].append(rows([sys.executable, WORKER, "cpu"]))
-            runs["moded"].append(rows(mirage + ["cpu"]))
-            runs["emulated"].append(rows(mirage + ["cuda"]))
+            runs["native"].append(rows([sys.executable, WORKER, "cpu", windows]))
+            runs["moded"].append(rows(mirage + ["cpu", windows]))
+            runs["emulated"].append(rows(mirage + ["cuda", windows]))
     best = {way: {model: min(r[model] for r in rs) for model in rs[0]} for way, rs in runs.items()}
     print(f"{'model':>18} {'native cpu':>11} {'cpu in rank':>12} {'emulated cuda':>14} {'cuda/native':>12}"
           f" {'per round':>12}")
