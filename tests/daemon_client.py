@@ -36,6 +36,11 @@ def _aligned(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
+def stamped(msg: s.Request, token: str, req: int) -> bytes:
+    """``msg`` encoded with the session token and request id a rank's client would fill in."""
+    return s.encode(type(msg)(**{**msg.__dict__, "token": token, "req": req}))
+
+
 class Client:
     """One DEALER socket: sends requests (token and id filled in), receives replies."""
 
@@ -49,8 +54,7 @@ class Client:
     def send(self, msg: s.Request, token: str | None = None) -> int:
         """Send ``msg`` with a fresh request id; return that id."""
         req = next(self._ids)
-        fields = {**msg.__dict__, "token": self.token if token is None else token, "req": req}
-        self.sock.send(s.encode(type(msg)(**fields)))
+        self.sock.send(stamped(msg, self.token if token is None else token, req))
         return req
 
     def send_raw(self, *frames: bytes) -> None:

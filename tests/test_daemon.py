@@ -17,7 +17,7 @@ import socket
 import numpy as np
 import pytest
 
-from daemon_client import TIMEOUT_S, DaemonProcess, Events, bf16_bits, bf16_to_f32
+from daemon_client import TIMEOUT_S, DaemonProcess, Events, bf16_bits, bf16_to_f32, stamped
 from emulator import schema as s
 from emulator.arena import Arena, arena_name
 
@@ -593,8 +593,7 @@ class FastClient:
 
     def send(self, msg: s.Request, token: str | None = None) -> int:
         req = next(self._ids)
-        fields = {**msg.__dict__, "token": self.token if token is None else token, "req": req}
-        self.sock.send(s.encode(type(msg)(**fields)))
+        self.sock.send(stamped(msg, self.token if token is None else token, req))
         return req
 
     def send_raw(self, data: bytes) -> None:
