@@ -50,11 +50,9 @@ def install() -> None:
 def _install_guard() -> None:
     global GUARD_ERROR, _guard_lib
     try:
-        _guard_lib = ctypes.CDLL(str(pinned_build.build(pinned_build.SOURCES[1])))
+        _guard_lib = pinned_build.load(pinned_build.GUARD_SOURCE, "the device guard")
     except pinned_build.BuildError as e:
         GUARD_ERROR = str(e)
-    except OSError as e:  # a library that does not load (built against another torch)
-        GUARD_ERROR = f"cannot load the device guard: {e}"
     else:
         GUARD_ERROR = None if _guard_lib.mirage_register_device_guard() else "another device guard came first"
 

@@ -44,11 +44,9 @@ def install() -> None:
     """
     global NATIVE_ERROR, _native
     try:
-        _native = ctypes.CDLL(str(pinned_build.build()))
+        _native = pinned_build.load(pinned_build.SOURCE, "the pinned host allocator")
     except pinned_build.BuildError as e:
         NATIVE_ERROR = str(e)
-    except OSError as e:  # a library that does not load (built against another torch)
-        NATIVE_ERROR = f"cannot load the pinned host allocator: {e}"
     else:
         NATIVE_ERROR = None if _native.mirage_register_pinned_host() else "other PrivateUse1 hooks came first"
     if NATIVE_ERROR is not None:

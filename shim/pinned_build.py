@@ -21,6 +21,7 @@ does) and prints where they are. Nothing here imports torch.
 from __future__ import annotations
 
 import fcntl
+import ctypes
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -35,7 +36,8 @@ from pathlib import Path
 SOURCE = Path(__file__).with_name("pinned_host.cpp")
 #: every library built this way (``source`` below): the pinned allocator, and the backend's device
 #: guard (``shim/device_guard.cpp``, loaded by ``shim/engine.py``); each is cached and fails on its own
-SOURCES = (SOURCE, Path(__file__).with_name("device_guard.cpp"))
+GUARD_SOURCE = Path(__file__).with_name("device_guard.cpp")
+SOURCES = (SOURCE, GUARD_SOURCE)
 
 
 class BuildError(RuntimeError):
@@ -123,6 +125,16 @@ def build(source: Path = SOURCE) -> Path:
         if old.stem != out.stem:
             old.unlink(missing_ok=True)
     return out
+
+
+def load(source: Path, what: str) -> ctypes.CDLL:
+    """``source``'s library, built if need be and loaded; :class:`BuildError` (one line naming ``what``)
+    if it cannot be built or does not load (built against another torch)."""
+    path = build(source)
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as e:
+        raise BuildError(f"cannot load {what}: {e}") from None
 
 
 def main() -> None:
