@@ -63,8 +63,9 @@ ONE_FRAME = "malformed request: expected one frame (data frames follow only a so
 FAST_CLIENT = b"\x00fast:"
 #: What the daemon's side of a fast connection may hold unsent (a reply larger than this is refused).
 FAST_SNDBUF = 1 << 20
-#: The poller's flags as plain ints: ``int & zmq.POLLIN`` goes through ``enum.Flag.__and__`` in Python.
-_POLLIN, _POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
+#: The poller's and recvmsg's flags as plain ints: ``int & zmq.POLLIN`` goes through
+#: ``enum.Flag.__and__`` in Python, and these are tested on every request.
+_POLLIN, _POLLOUT, _MSG_CTRUNC = int(zmq.POLLIN), int(zmq.POLLOUT), int(socket.MSG_CTRUNC)
 #: Room for the file descriptors one fast message may carry (RegisterBuffer sends one; a few more
 #: are read only to be closed).
 FAST_MAX_FDS = 4
@@ -144,6 +145,10 @@ class Daemon:
 
     def publish(self, event: s.Event) -> None:
         """Queue an event; :meth:`flush_events` sends the queue as one frame (one send, not one per event)."""
+        self._queue(event)
+
+    def _queue(self, event: s.Event | bytes) -> None:
+        """Queue an event, or an encoded one, for :meth:`flush_events`; the first of a batch starts its clock."""
         if not self._outbox and not self._fresh:
             self._outbox_since = time.monotonic()
         self._fresh.append(event)
@@ -169,10 +174,8 @@ class Daemon:
             head, rest = line.split(b'"t":1.5,', 1)
             middle, tail = rest.split(b',"seq":123456789,', 1)
             parts = self._enqueued[key] = (head + b'"t":', b"," + middle + b',"seq":', b"," + tail)
-        if not self._outbox and not self._fresh:
-            self._outbox_since = time.monotonic()
         head, middle, tail = parts
-        self._fresh.append(b"".join((head, repr(time.time()).encode(), middle, str(req.seq).encode(), tail)))
+        self._queue(b"".join((head, repr(time.time()).encode(), middle, str(req.seq).encode(), tail)))
 
     def flush_events(self, force: bool = True) -> None:
         """Send the queued events in the order they were published; unless ``force``, only once the
@@ -263,7 +266,7 @@ class Daemon:
                 if n > s.FAST_MAX_MESSAGE_BYTES:
                     self.refuse(name, 0, f"malformed request: longer than {s.FAST_MAX_MESSAGE_BYTES} bytes")
                     continue
-                if flags & socket.MSG_CTRUNC:
+                if flags & _MSG_CTRUNC:
                     self.refuse(name, 0, f"malformed request: more than {FAST_MAX_FDS} file descriptors")
                     continue
                 self._fds = fds
