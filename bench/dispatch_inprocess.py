@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import torch
-from dispatch_worker import block, make_step, mlp
+from dispatch_worker import block, make_step, mlp, per_call
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -41,6 +41,16 @@ def native(fn):
         torch._C._push_on_torch_function_stack(mode)
 
 
+def activate_shim(checkout: str) -> None:
+    """Activate ``checkout``'s shim in this process, as a ``mirage run --in-process`` rank does; one thread."""
+    os.environ["MIRAGE_IN_PROCESS"] = "1"
+    sys.path.insert(0, os.path.abspath(checkout))
+    from shim.activate import activate
+
+    activate()
+    torch.set_num_threads(1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shim", default=str(ROOT), help="the checkout whose shim to activate")
@@ -48,12 +58,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     opts = parser.parse_args()
     clock = time.process_time if opts.clock == "cpu" else time.perf_counter
-    os.environ["MIRAGE_IN_PROCESS"] = "1"
-    sys.path.insert(0, os.path.abspath(opts.shim))
-    from shim.activate import activate
-
-    activate()
-    torch.set_num_threads(1)
+    activate_shim(opts.shim)
     steps = {}
     for name, make, shape, n in (("mlp", mlp, (64, 256), 20), ("transformer_block", block, (8, 64, 256), 10)):
         steps[name, "native"] = (native(lambda: make_step(make, shape, "cpu")), n)
@@ -62,10 +67,7 @@ def main() -> None:
     for _ in range(opts.rounds):
         for key, (step, n) in steps.items():
             def window():
-                start = clock()
-                for _ in range(n):
-                    step()
-                return (clock() - start) / n * 1e3
+                return per_call(step, n, clock) * 1e3
 
             ms = native(window) if key[1] == "native" else window()
             best[key] = min(best.get(key, float("inf")), ms)

@@ -16,38 +16,23 @@ rebuilds: give it its own cache, e.g.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
-from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parent.parent
+from dispatch_inprocess import ROOT, activate_shim
+from dispatch_worker import per_call
 
 
 def bench(name: str, fn, n: int = 300, reps: int = 9) -> None:
-    for _ in range(50):
-        fn()
-    best = float("inf")
-    for _ in range(reps):
-        start = time.process_time()
-        for _ in range(n):
-            fn()
-        best = min(best, (time.process_time() - start) / n)
+    per_call(fn, 50)  # warm-up
+    best = min(per_call(fn, n, time.process_time) for _ in range(reps))
     print(f"{name:32s} {best * 1e6:8.1f} us", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shim", default=str(ROOT), help="the checkout whose shim to activate")
-    opts = parser.parse_args()
-    os.environ["MIRAGE_IN_PROCESS"] = "1"
-    sys.path.insert(0, os.path.abspath(opts.shim))
-    from shim.activate import activate
-
-    activate()
-    torch.set_num_threads(1)
+    activate_shim(parser.parse_args().shim)
     w = torch.randn(4, 4, device="cuda", requires_grad=True)
     x = torch.randn(4, 4, device="cuda")
     lin = torch.nn.Linear(64, 64).cuda()

@@ -38,15 +38,17 @@ def make_step(make, shape, device: str):
     return step
 
 
+def per_call(fn, calls: int, clock=time.perf_counter) -> float:
+    """Seconds per call of ``fn`` over one window of ``calls`` calls, by ``clock``."""
+    start = clock()
+    for _ in range(calls):
+        fn()
+    return (clock() - start) / calls
+
+
 def step_time(make, shape, device: str, steps: int, windows: int) -> float:
     step = make_step(make, shape, device)
-    best = float("inf")
-    for _ in range(windows):
-        start = time.perf_counter()
-        for _ in range(steps):
-            step()
-        best = min(best, (time.perf_counter() - start) / steps)
-    return best
+    return min(per_call(step, steps) for _ in range(windows))
 
 
 if __name__ == "__main__":
