@@ -31,7 +31,7 @@ from emulator import schema as s
 from emulator.arena import Arena, ArenaError, check_name, session_segments
 from emulator.buffers import RankBuffers
 from emulator.hang import HangDetector
-from emulator.kernels import KernelError, Segmented, itemsize
+from emulator.kernels import DTYPES, KernelError, Segmented, itemsize
 from emulator.ledger import CommError, Communicator, Ledger, Posted
 from emulator.scheduler import Job, WaveScheduler, input_elements, make_job, make_p2p_job
 from emulator.straggler import StragglerDetector
@@ -269,8 +269,13 @@ class Daemon:
                 if flags & _MSG_CTRUNC:
                     self.refuse(name, 0, f"malformed request: more than {FAST_MAX_FDS} file descriptors")
                     continue
+                data = bytes(memoryview(self._fast_buf)[:n])
+                if b"\n" in data:  # several requests (a rank's deferred ones), a line each; never with fds
+                    for line in data.split(b"\n"):
+                        self.handle(name, line)
+                    continue
                 self._fds = fds
-                self.handle(name, bytes(memoryview(self._fast_buf)[:n]))
+                self.handle(name, data)
             finally:
                 self._fds = []
                 for fd in fds:  # taken or not, the daemon keeps none (a mapping outlives its descriptor)
@@ -429,6 +434,10 @@ class Daemon:
                 "ncclInvalidArgument", f"device {req.device} is not one of this node's {self.gpus_per_node} GPUs"
             )
             return self.refuse_post(client, req, err)
+        if req.direct and (req.op not in s.DIRECT_OPS or req.transport is not s.Transport.SHM or req.dtype not in DTYPES):
+            err = CommError("ncclInvalidArgument",
+                            f"{req.op.value} of {req.dtype} over {req.transport.value} cannot go rank to rank")
+            return self.refuse_post(client, req, err)
         try:
             self.check_payload(client, req, payload)
             comm, matched = self.ledger.post(client, req)
@@ -442,6 +451,13 @@ class Daemon:
         warning = self.stragglers.observe(comm, matched)
         if warning is not None:
             self.publish(warning)
+        if req.direct:  # the ranks moved the data themselves: only the books to keep, nobody to answer
+            self.ledger.complete(comm, req.seq)
+            nbytes = 0 if req.op is s.CollOp.BARRIER else req.numel * itemsize(req.dtype)
+            self.publish(s.CollectiveStarted(comm=comm.comm, seq=req.seq, op=req.op, total_bytes=nbytes))
+            self.publish(s.CollectiveCompleted(comm=comm.comm, seq=req.seq, op=req.op, total_bytes=nbytes,
+                                               seconds=0.0))
+            return
         try:
             job = make_job(comm, matched, self.arena, self.payload_of, self.buffers.view)
         except (ArenaError, KernelError, OSError) as e:

@@ -174,6 +174,12 @@ class Ledger:
                 same = same and r.reduce_op == first.reduce_op
             if r.op in (CollOp.BROADCAST, CollOp.REDUCE, CollOp.GATHER, CollOp.SCATTER):
                 same = same and r.root == first.root
+            if same and r.direct != first.direct:
+                raise CommError(
+                    "ncclInvalidUsage",
+                    f"Rank {first.rank} and rank {r.rank} disagree on whether collective #{r.seq} goes rank to rank: "
+                    "set MIRAGE_DIRECT_MAX_BYTES alike on every rank",
+                )
             if not same:
                 raise CommError(
                     "ncclInvalidUsage",

@@ -78,6 +78,11 @@ class Transport(str, Enum):
     SOCKET = "socket"  # ZeroMQ frames after the request and after its Done (RCCL's NET/Socket)
 
 
+#: Collectives small enough may go rank to rank (``Collective.direct``): their output is every
+#: rank's input, reduced, or the root's.
+DIRECT_OPS = (CollOp.ALLREDUCE, CollOp.BROADCAST, CollOp.BARRIER)
+
+
 class Stream(str, Enum):
     STDOUT = "stdout"
     STDERR = "stderr"
@@ -185,6 +190,9 @@ class Collective(Request):
     # itself at byte offset in_off/out_off instead of the arena (zero-copy: the rank's tensor)
     in_buf: int = 0
     out_buf: int = 0
+    # rank to rank (the shim's direct path): the ranks exchange the data through their own shared
+    # rings; the daemon matches, checks and publishes it, and answers only with an error
+    direct: bool = False
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The ``"nccl"`` process group: every collective goes to the daemon.
+"""The ``"nccl"`` process group: every collective goes to the daemon's books, most through its data path.
 
 ``init_process_group("nccl")`` is routed here (the CPU build refuses the real
 NCCL) while ``dist.get_backend()`` still answers ``"nccl"``. A collective
@@ -14,6 +14,10 @@ A communicator whose transport is NET/Socket (members on different emulated
 nodes, or ``NCCL_P2P_DISABLE=1`` and ``NCCL_SHM_DISABLE=1``) sends the input
 bytes as ZeroMQ data frames after the request instead, and its ``Work`` takes
 the output from the frame that comes back after ``Done``.
+
+A small all-reduce, broadcast or barrier on shared memory goes rank to rank
+instead (``shim/direct.py``): the ranks exchange the data through their own
+rings, and the daemon, told afterwards, only keeps the books.
 """
 
 from __future__ import annotations
@@ -37,12 +41,12 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch.futures import Future
 
-from emulator import faults
+from emulator import faults, kernels
 from emulator.arena import Arena, arena_name
 from emulator import schema as s
 from shim import client as cl
 from shim import shared_buffers as sb
-from shim import nccl_debug, pinned
+from shim import direct, nccl_debug, pinned
 from shim import device as dev
 from shim.cuda import NCCL_VERSION
 from shim.tensor import MirageTensor
@@ -280,6 +284,13 @@ class _Pending:
         self.posted_at = posted_at
         self.targets = getattr(deliver, "targets", [])
         self.done = False
+        self.ring = 0  # rank to rank (``shim.direct``): its index in the communicator's rings
+
+    def ready(self) -> bool:
+        """Whether completing it would not block: the daemon answered, or (rank to rank) every peer posted."""
+        if self.ring and self.pg._rings.arrived(self.ring):
+            return True
+        return self.pg._client.poll(self.req)
 
 
 #: Posted collectives of this process, oldest first. They complete strictly in this order, as
@@ -350,13 +361,9 @@ def _complete(p: _Pending) -> None:
     """Wait for the daemon's answer to ``p`` and copy its output out (lock held; ``p`` is the oldest)."""
     pg = p.pg
     try:
-        left = pg._timeout.total_seconds() - (time.monotonic() - p.posted_at)
-        try:
-            reply = pg._client.wait(p.req, timeout_s=max(left, 0.001))
-        except TimeoutError:
-            raise pg._watchdog_timeout(p.request, time.monotonic() - p.posted_at) from None
-        if isinstance(reply, s.Error):
-            raise _nccl_error(reply.code, reply.message, p.device)
+        if p.ring:
+            return pg._finish_direct(p)
+        reply = pg._reply(p)
         if isinstance(reply, s.Done) and reply.devices and nccl_debug.enabled():
             nccl_debug.print_init(pg._comm, pg._rank, reply.devices, reply.hosts)
         if p.slot is None:
@@ -398,7 +405,7 @@ class _CollectiveWork(dist.Work):
             if last.done:
                 return True
             upto = list(itertools.takewhile(lambda p: p is not last, _PENDING)) + [last]
-            if not all(p.pg._client.poll(p.req) for p in upto):
+            if not all(p.ready() for p in upto):
                 return False
             _complete_through(last)  # answered: copying out does not block
         return True
@@ -428,6 +435,8 @@ class MirageProcessGroup(dist.ProcessGroup):
         self._group_desc = ""
         self._in_process = os.environ.get("MIRAGE_IN_PROCESS") == "1"
         self._socket = False  # the data path: ZeroMQ frames (NET/Socket) or the arena; chosen below
+        self._direct_ok = False  # whether small collectives may go rank to rank (``shim.direct``)
+        self._rings: direct.PeerRings | None = None  # made at the first that does
         # the default group is built before torch records it (and again after destroy_process_group)
         self._is_default = not dist.is_initialized()
         global _faults_chosen
@@ -449,6 +458,7 @@ class MirageProcessGroup(dist.ProcessGroup):
         host = os.environ.get("NCCL_HOSTID", socket.gethostname())
         transport = _transport(store, self._comm, rank, size, host)
         self._socket = transport == "socket"
+        self._direct_ok = not self._socket and self._client.has_fast and direct.MAX_BYTES > 0
         reply = self._client.request(
             s.CommInit(
                 comm=self._comm,
@@ -529,6 +539,11 @@ class MirageProcessGroup(dist.ProcessGroup):
             if self._socket:
                 return self._post_socket(op, inputs, out_numel, dtype, deliver, reduce_op, root, device, stage,
                                          splits, numel, premul)
+            # (never a communicator's first collective: that one connects it, and NCCL checks its GPUs then)
+            if self._direct_ok and self._seq and direct.eligible(
+                op, staged_numel * esize, str(dtype).removeprefix("torch."), reduce_op
+            ):
+                return self._post_direct(op, inputs, dtype, deliver, reduce_op, root, device, premul)
             shared = sb.of(self._client)
             shared.flush()
             zc = None
@@ -589,6 +604,93 @@ class MirageProcessGroup(dist.ProcessGroup):
         pending = _Pending(self, request, req, None, own, None, deliver, device, time.monotonic())
         _PENDING.append(pending)
         return pending
+
+    def _post_direct(self, op, inputs, dtype, deliver, reduce_op, root, device, premul) -> _Pending:
+        """``_run``'s rank-to-rank path (lock held; see ``shim.direct``): the input goes into this rank's
+        ring, the request to the daemon, which answers only if something is wrong."""
+        rings = self._rings
+        if rings is None:
+            try:
+                rings = self._rings = direct.PeerRings(self._client.session, self._comm, self._rank, self._size)
+            except direct.RingError as e:
+                raise dist.DistBackendError(str(e)) from None
+        index = rings.posted + 1
+        numel = sum(t.numel() for t in inputs)
+        self._seq += 1
+        request = s.Collective(
+            comm=self._comm, seq=self._seq, rank=self._rank, op=op, reduce_op=reduce_op,
+            dtype=str(dtype).removeprefix("torch."), numel=numel, out_numel=numel, root=root,
+            device=dev.STATE.physical[device], site=_call_site(), direct=True,
+        )
+        if not rings.slot_free(index):
+            # its last user must be done on every rank: here first (in order, as on a stream), then the peers
+            last = [p for p in _PENDING if p.pg is self and 0 < p.ring <= index - direct.SLOTS]
+            if last:
+                _complete_through(last[-1])
+            deadline = time.monotonic() + self._timeout.total_seconds()
+            while not rings.slot_free(index):
+                if time.monotonic() > deadline:
+                    raise self._watchdog_timeout(request, self._timeout.total_seconds())
+                time.sleep(0.0002)
+                self._client.check_daemon()
+
+        fill = None
+        if inputs and (op is not s.CollOp.BROADCAST or self._rank == root):
+            def fill(raw) -> None:
+                slot = torch.from_numpy(raw).view(dtype)
+                at = 0
+                for t in inputs:
+                    slot[at : at + t.numel()].copy_(t.reshape(-1))
+                    at += t.numel()
+                if premul is not None:
+                    slot.mul_(premul)
+
+        pending = _Pending(self, request, 0, None, None, None, deliver, device, time.monotonic())
+        pending.ring = rings.post(request.seq, op, request.dtype, numel, reduce_op, root, fill)
+        pending.req = self._client.defer(request)
+        _PENDING.append(pending)
+        return pending
+
+    def _finish_direct(self, p: _Pending) -> None:
+        """Complete a rank-to-rank collective (lock held): wait for every peer, then reduce or copy their inputs."""
+        rings, req = self._rings, p.request
+        deadline = p.posted_at + self._timeout.total_seconds()
+
+        def check() -> None:  # between waits: the daemon must know this rank waits, and may have answered
+            self._client.flush()
+            if self._client.poll(p.req):  # the daemon answers only with an error
+                self._reply(p)
+            self._client.check_daemon()
+
+        if not rings.wait(p.ring, deadline, check):
+            raise self._watchdog_timeout(req, time.monotonic() - p.posted_at)
+        if not rings.matches(p.ring):
+            # the ranks disagree on what they run: the daemon sees it too, and its error names both sides
+            self._client.flush()
+            self._reply(p)
+            raise dist.DistBackendError(f"mirage: collective #{req.seq} differs between ranks")
+        dtype = getattr(torch, req.dtype)
+        nbytes = req.numel * dtype.itemsize
+        if req.op is s.CollOp.ALLREDUCE:
+            out = torch.empty(req.numel, dtype=dtype)
+            parts = [kernels.typed(x, req.dtype) for x in rings.inputs(p.ring, nbytes)]
+            kernels.reduce_into(parts, req.reduce_op, req.dtype, kernels.typed(out.view(torch.uint8).numpy(), req.dtype))
+            p.deliver(out)
+        elif req.op is s.CollOp.BROADCAST and p.deliver is not None:
+            p.deliver(torch.from_numpy(rings.inputs(p.ring, nbytes)[req.root]).view(dtype))
+        rings.finish(p.ring)
+        self._client.forget(p.req)
+
+    def _reply(self, p: _Pending) -> s.Reply:
+        """The daemon's answer to ``p`` once it comes; an error is raised, a wait past the timeout is the watchdog's."""
+        left = self._timeout.total_seconds() - (time.monotonic() - p.posted_at)
+        try:
+            reply = self._client.wait(p.req, timeout_s=max(left, 0.001))
+        except TimeoutError:
+            raise self._watchdog_timeout(p.request, time.monotonic() - p.posted_at) from None
+        if isinstance(reply, s.Error):
+            raise _nccl_error(reply.code, reply.message, p.device)
+        return reply
 
     def _watchdog_timeout(self, req: s.Collective, waited_s: float) -> dist.DistBackendError:
         """ProcessGroupNCCL's watchdog message, which is what users grep their logs for."""

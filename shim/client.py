@@ -10,6 +10,7 @@ and gets the output back as a frame after the reply.
 from __future__ import annotations
 
 import array
+import atexit
 import itertools
 import os
 import socket
@@ -26,6 +27,9 @@ from emulator.arena import Arena, arena_name
 _ALIGN = 64
 #: How often a rank waiting for a reply checks that the daemon still runs.
 DAEMON_CHECK_S = 0.25
+#: How long a deferred request may wait before it is sent (see ``DaemonClient.defer``): well under
+#: the daemon's straggler margin (0.25 s), whose arrival times it shifts.
+DEFER_MAX_S = 0.02
 
 
 class DaemonGone(dist.DistBackendError):
@@ -97,6 +101,14 @@ class DaemonClient:
         self._fast_stash: dict[int, s.Reply | None] = {}  # req -> its reply; None: sent, not answered yet
         self._fast_buf = bytearray(s.FAST_MAX_MESSAGE_BYTES + 1)  # +1: a longer message shows as too long
         self._data: dict[int, zmq.Frame] = {}
+        # deferred requests (encoded, in order) and when the oldest was deferred; the condition also
+        # orders fast sends: deferred requests go out before any later one
+        self._defer_cond = threading.Condition(threading.Lock())
+        self._deferred: list[bytes] = []
+        self._deferred_bytes = 0
+        self._deferred_since = 0.0
+        self._flusher: threading.Thread | None = None
+        self._pid = os.getpid()  # a forked child must not send its parent's deferred requests
         self._arena: Arena | None = None
         self._generation = 0
         self._scratch = itertools.count(1)
@@ -128,17 +140,11 @@ class DaemonClient:
                 with self._fast_cond:
                     self._fast_stash[req] = None
             anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else None
-            while True:
-                try:
-                    if anc is None:
-                        self._fast_tx.send(head)
-                    else:
-                        self._fast_tx.sendmsg([head], anc)
-                    return req
-                except TimeoutError:  # the daemon is busy (a long wave) and its queue is full: wait on
-                    self._check_daemon()
-                except OSError:
-                    raise self._gone() from None
+            with self._defer_cond:
+                if self._deferred:
+                    self._flush_locked()
+                self._send_fast(head, anc)
+            return req
         step = s.MAX_DATA_FRAME_BYTES
         frames = [data[i : i + step] for i in range(0, len(data), step)] if data is not None else []
         trackers = []
@@ -154,8 +160,82 @@ class DaemonClient:
                     tracker.wait(DAEMON_CHECK_S)
                     break
                 except zmq.NotDone:
-                    self._check_daemon()
+                    self.check_daemon()
         return req
+
+    def _send_fast(self, data: bytes, anc: list | None = None) -> None:
+        """One datagram on the fast socket, waiting for room while the daemon lives."""
+        while True:
+            try:
+                if anc is None:
+                    self._fast_tx.send(data)
+                else:
+                    self._fast_tx.sendmsg([data], anc)
+                return
+            except TimeoutError:  # the daemon is busy (a long wave) and its queue is full: wait on
+                self.check_daemon()
+            except OSError:
+                raise self._gone() from None
+
+    def defer(self, msg: s.Request) -> int:
+        """Queue ``msg`` for the daemon without sending it now; return its id, to ``wait`` or ``poll`` on as any.
+
+        For requests only answered when something is wrong (rank-to-rank
+        collectives): deferred requests go out together, as one datagram of
+        lines, within ``DEFER_MAX_S`` (a thread sees to it), before any later
+        request, or at :meth:`flush` (before a rank blocks, at exit). Their
+        order is kept. Needs the fast socket (:attr:`has_fast`).
+        """
+        req = next(self._ids)
+        line = s.encode(msg, token=self.token, req=req)
+        with self._fast_cond:
+            self._fast_stash[req] = None
+        with self._defer_cond:
+            if self._deferred_bytes + len(line) + 1 > s.FAST_MAX_MESSAGE_BYTES:
+                self._flush_locked()
+            if not self._deferred:
+                self._deferred_since = time.monotonic()
+                if self._flusher is None:
+                    self._flusher = threading.Thread(target=self._flush_later, name="mirage-defer", daemon=True)
+                    self._flusher.start()
+                self._defer_cond.notify()
+            elif time.monotonic() - self._deferred_since > DEFER_MAX_S:  # (the thread may not get the GIL)
+                self._flush_locked()
+                self._deferred_since = time.monotonic()
+            self._deferred.append(line)
+            self._deferred_bytes += len(line) + 1
+        return req
+
+    def flush(self) -> None:
+        """Send the deferred requests now."""
+        # (not in a forked child: they are its parent's, and the lock may have been held by a thread
+        # the child does not have)
+        if self._deferred and os.getpid() == self._pid:
+            with self._defer_cond:
+                self._flush_locked()
+
+    def _flush_locked(self) -> None:
+        if not self._deferred or os.getpid() != self._pid:
+            return
+        data = b"\n".join(self._deferred)
+        self._deferred, self._deferred_bytes = [], 0
+        self._send_fast(data)
+
+    def _flush_later(self) -> None:
+        """The flusher thread: sends deferred requests once the oldest is ``DEFER_MAX_S`` old."""
+        with self._defer_cond:
+            while True:
+                if not self._deferred:
+                    self._defer_cond.wait()
+                    continue
+                left = self._deferred_since + DEFER_MAX_S - time.monotonic()
+                if left > 0:
+                    self._defer_cond.wait(left)
+                    continue
+                try:
+                    self._flush_locked()
+                except DaemonGone:
+                    return
 
     def _gone(self) -> DaemonGone:
         return DaemonGone(
@@ -163,7 +243,7 @@ class DaemonClient:
             f"see {os.path.join(os.environ.get('MIRAGE_RUN_DIR', '.'), 'daemon.log')}"
         )
 
-    def _check_daemon(self) -> None:
+    def check_daemon(self) -> None:
         """Raise :class:`DaemonGone` once the daemon's process has exited."""
         if self.daemon_pid and _pid_gone(self.daemon_pid):
             raise self._gone()
@@ -217,7 +297,7 @@ class DaemonClient:
                     self._fast_reading = False
                     self._fast_cond.notify()  # someone else may read now
                 if not read:
-                    self._check_daemon()
+                    self.check_daemon()
 
     def _read(self) -> s.Reply | None:
         """Read one message (lock held): the reply, its data frame set aside in ``_data``."""
@@ -246,7 +326,7 @@ class DaemonClient:
         while True:
             if self.daemon_pid and time.monotonic() >= next_check:
                 next_check = time.monotonic() + DAEMON_CHECK_S
-                self._check_daemon()
+                self.check_daemon()
             with self._lock:
                 reply = self._stash.pop(req, None)
                 if reply is not None:
@@ -282,6 +362,12 @@ class DaemonClient:
                     self._stash[got.req] = got
             return req in self._stash
 
+    def forget(self, req: int) -> None:
+        """Stop waiting for an answer to fast request ``req`` (rank to rank: only an error would come,
+        and none will now be read; one that still arrives is dropped)."""
+        with self._fast_cond:
+            self._fast_stash.pop(req, None)
+
     def request(self, msg: s.Request, timeout_s: float = 60.0, fds: list[int] | None = None) -> s.Reply:
         """Send ``msg`` (with ``fds``, see :meth:`send`) and wait for its reply."""
         return self.wait(self.send(msg, fds=fds), timeout_s)
@@ -302,6 +388,11 @@ class DaemonClient:
         return self._arena
 
     def close(self) -> None:
+        if self._fast is not None:
+            try:
+                self.flush()
+            except DaemonGone:
+                pass
         if self._arena is not None:
             self._arena.unlink()
         if self._fast is not None:
@@ -336,4 +427,14 @@ def client() -> DaemonClient:
             f"r{rank}-p{os.getpid()}",
             int(os.environ.get("MIRAGE_DAEMON_PID", "0") or 0),
         )
+        atexit.register(_flush_at_exit)
     return _client
+
+
+def _flush_at_exit() -> None:
+    """The last rank-to-rank collectives' requests reach the daemon, whose books would miss them."""
+    if _client is not None and _client.has_fast:
+        try:
+            _client.flush()
+        except (DaemonGone, OSError):
+            pass

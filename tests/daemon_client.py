@@ -11,6 +11,7 @@ import itertools
 import os
 import secrets
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -78,6 +79,48 @@ class Client:
 
     def close(self) -> None:
         self.sock.close(0)
+
+
+class FastClient:
+    """A rank's connection to the daemon's fast socket (unix SOCK_SEQPACKET), as ``shim/client.py`` uses it.
+
+    The interface of ``daemon_client.Client``, so a group's rank can use either.
+    """
+
+    def __init__(self, daemon):
+        self.token = daemon.token
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.sock.connect(os.path.join(daemon.run_dir, s.FAST_SOCKET))
+        self._ids = itertools.count(1)
+
+    def send(self, msg: s.Request, token: str | None = None) -> int:
+        req = next(self._ids)
+        self.sock.send(stamped(msg, self.token if token is None else token, req))
+        return req
+
+    def send_raw(self, data: bytes) -> None:
+        self.sock.send(data)
+
+    def send_fds(self, msg: s.Request, fds: list[int]) -> int:
+        """Send ``msg`` with file descriptors (SCM_RIGHTS), as ``RegisterBuffer`` travels."""
+        req = next(self._ids)
+        socket.send_fds(self.sock, [s.encode(msg, token=self.token, req=req)], fds)
+        return req
+
+    def recv(self, timeout_s: float = TIMEOUT_S) -> s.Reply:
+        self.sock.settimeout(timeout_s)
+        reply = s.decode(self.sock.recv(s.MAX_MESSAGE_BYTES))
+        assert isinstance(reply, s.Reply), reply
+        return reply
+
+    def call(self, msg: s.Request, token: str | None = None) -> s.Reply:
+        req = self.send(msg, token)
+        reply = self.recv()
+        assert reply.req == req, (reply, req)
+        return reply
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 class Events:
@@ -388,3 +431,13 @@ def bf16_bits(x: np.ndarray) -> np.ndarray:
 
 def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
     return (np.asarray(bits, np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def fast_group(d: DaemonProcess, size: int) -> Group:
+    """``size`` ranks of a fresh communicator, each on the fast socket, joined."""
+    g = d.group(size, join=False)
+    for r in g.ranks:
+        r.client.close()
+        r.client = FastClient(d)
+    g.join()
+    return g

@@ -7,17 +7,15 @@ arena. No torch.
 
 from __future__ import annotations
 
-import itertools
 import json
 import mmap
 import os
 import random
-import socket
 
 import numpy as np
 import pytest
 
-from daemon_client import TIMEOUT_S, DaemonProcess, Events, bf16_bits, bf16_to_f32, stamped
+from daemon_client import TIMEOUT_S, DaemonProcess, Events, FastClient, bf16_bits, bf16_to_f32, fast_group, stamped
 from emulator import schema as s
 from emulator.arena import Arena, arena_name
 
@@ -579,48 +577,6 @@ def test_device_outside_the_node_is_refused(daemon):
 # ---------------------------------------------------------------- the fast socket
 
 
-class FastClient:
-    """A rank's connection to the daemon's fast socket (unix SOCK_SEQPACKET), as ``shim/client.py`` uses it.
-
-    The interface of ``daemon_client.Client``, so a group's rank can use either.
-    """
-
-    def __init__(self, daemon):
-        self.token = daemon.token
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.sock.connect(os.path.join(daemon.run_dir, s.FAST_SOCKET))
-        self._ids = itertools.count(1)
-
-    def send(self, msg: s.Request, token: str | None = None) -> int:
-        req = next(self._ids)
-        self.sock.send(stamped(msg, self.token if token is None else token, req))
-        return req
-
-    def send_raw(self, data: bytes) -> None:
-        self.sock.send(data)
-
-    def send_fds(self, msg: s.Request, fds: list[int]) -> int:
-        """Send ``msg`` with file descriptors (SCM_RIGHTS), as ``RegisterBuffer`` travels."""
-        req = next(self._ids)
-        socket.send_fds(self.sock, [s.encode(msg, token=self.token, req=req)], fds)
-        return req
-
-    def recv(self, timeout_s: float = TIMEOUT_S) -> s.Reply:
-        self.sock.settimeout(timeout_s)
-        reply = s.decode(self.sock.recv(s.MAX_MESSAGE_BYTES))
-        assert isinstance(reply, s.Reply), reply
-        return reply
-
-    def call(self, msg: s.Request, token: str | None = None) -> s.Reply:
-        req = self.send(msg, token)
-        reply = self.recv()
-        assert reply.req == req, (reply, req)
-        return reply
-
-    def close(self) -> None:
-        self.sock.close()
-
-
 def test_fast_socket_answers_and_refuses_as_zeromq_does(daemon):
     c = FastClient(daemon)
     assert isinstance(c.call(s.Ping()), s.Ok)
@@ -677,18 +633,9 @@ def _daemon_maps(d, name: str) -> int:
         return sum(f"/memfd:{name} " in line for line in f)
 
 
-def _fast_group(d, size: int):
-    g = d.group(size, join=False)
-    for r in g.ranks:
-        r.client.close()
-        r.client = FastClient(d)
-    g.join()
-    return g
-
-
 def test_collectives_run_in_registered_buffers(fresh_daemon):
     d = fresh_daemon
-    g = _fast_group(d, 2)
+    g = fast_group(d, 2)
     n = 1000
     xs = [rng(r).integers(-100, 100, n).astype(np.float32) for r in range(2)]
     # rank 0 lends a tensor's storage (the data at byte offset 256 of it); rank 1 stages in its arena
@@ -781,7 +728,7 @@ def test_bad_registrations_and_references_get_error_replies(fresh_daemon):
     for kw, why in (({"in_buf": 5, "out_buf": 5}, "not registered"),
                     ({"in_buf": 1, "out_buf": 1, "in_off": 4040, "out_off": 4040}, "outside buffer"),
                     ({"in_buf": 1, "out_buf": 1, "in_off": -8, "out_off": -8}, "outside buffer")):
-        g = _fast_group(d, 2)
+        g = fast_group(d, 2)
         g.ranks[1].ensure_arena(64)
         g.ranks[0].client.close()
         g.ranks[0].client = c  # the connection that registered buffer 1
