@@ -520,15 +520,21 @@ def test_out_of_bounds_offsets_are_refused(daemon):
         assert isinstance(rep, s.Error) and rep.code == "ncclInvalidArgument" and "outside arena" in rep.message, rep
 
 
-def test_vanished_client_does_not_block_daemon(fresh_daemon):
+@pytest.mark.parametrize("fast", [False, True], ids=["zeromq", "fast-socket"])
+def test_vanished_client_does_not_block_daemon(fresh_daemon, fast):
     d = fresh_daemon
-    g = d.group(2)
+    g = d.group(2, join=False)
+    if fast:
+        g.ranks[0].client.close()
+        g.ranks[0].client = FastClient(d)
+    g.join()
     for r in g.ranks:
         r.ensure_arena(64)
     g.ranks[0].post(C.ALLREDUCE, 4, out_numel=4)
     g.ranks[0].client.close()  # rank 0 dies waiting
     g.ranks[1].post(C.ALLREDUCE, 4, out_numel=4)
     assert isinstance(g.ranks[1].client.recv(), s.Done)
+    assert isinstance(d.client().call(s.Ping()), s.Ok)
 
 
 def test_daemon_stops_cleanly_on_sigterm():
@@ -600,21 +606,6 @@ def test_fast_socket_and_zeromq_ranks_share_a_communicator(daemon):
         outs = g.run(C.ALLREDUCE, xs)
         for out in outs:
             np.testing.assert_array_equal(out, xs[0] + xs[1] + xs[2])
-
-
-def test_vanished_fast_client_does_not_block_daemon(fresh_daemon):
-    d = fresh_daemon
-    g = d.group(2, join=False)
-    g.ranks[0].client.close()
-    g.ranks[0].client = FastClient(d)
-    g.join()
-    for r in g.ranks:
-        r.ensure_arena(64)
-    g.ranks[0].post(C.ALLREDUCE, 4, out_numel=4)
-    g.ranks[0].client.close()  # rank 0 dies waiting
-    g.ranks[1].post(C.ALLREDUCE, 4, out_numel=4)
-    assert isinstance(g.ranks[1].client.recv(), s.Done)
-    assert isinstance(d.client().call(s.Ping()), s.Ok)
 
 
 # ---------------------------------------------------------------- registered buffers (zero-copy)
