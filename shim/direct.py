@@ -35,6 +35,7 @@ import ctypes
 import mmap
 import os
 import platform
+import sys
 import time
 from collections.abc import Callable
 
@@ -50,7 +51,9 @@ def _max_bytes() -> int:
     try:
         value = int(raw)
     except ValueError:
-        raise SystemExit(f"mirage: MIRAGE_DIRECT_MAX_BYTES={raw!r} is not a byte count; use e.g. 65536, or 0 for off")
+        print(f"mirage: MIRAGE_DIRECT_MAX_BYTES={raw!r} is not a byte count; use e.g. 65536, or 0 for off",
+              file=sys.stderr)
+        raise SystemExit(2) from None
     return max(0, min(value, 16 << 20))
 
 

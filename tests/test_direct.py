@@ -144,6 +144,14 @@ def test_which_collectives_go_rank_to_rank():
     assert not direct.eligible(C.ALLREDUCE, 8, "bool", s.ReduceOp.AVG)
 
 
+def test_a_bad_threshold_is_a_usage_error():
+    env = dict(os.environ, MIRAGE_DIRECT_MAX_BYTES="64k")
+    r = subprocess.run([sys.executable, "-c", "import shim.direct"], env=env, capture_output=True, text=True,
+                       cwd=os.path.dirname(os.path.dirname(__file__)), timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.strip() == "mirage: MIRAGE_DIRECT_MAX_BYTES='64k' is not a byte count; use e.g. 65536, or 0 for off"
+
+
 # ---------------------------------------------------------------- the daemon keeps the books
 
 
