@@ -634,19 +634,13 @@ class MirageProcessGroup(dist.ProcessGroup):
                 time.sleep(0.0002)
                 self._client.check_daemon()
 
-        fill = None
-        if inputs and (op is not s.CollOp.BROADCAST or self._rank == root):
-            def fill(raw) -> None:
-                slot = torch.from_numpy(raw).view(dtype)
-                at = 0
-                for t in inputs:
-                    slot[at : at + t.numel()].copy_(t.reshape(-1))
-                    at += t.numel()
-                if premul is not None:
-                    slot.mul_(premul)
+        data = None  # what this rank sends: its input (one tensor: all-reduce, broadcast), as bytes
+        if numel and (op is not s.CollOp.BROADCAST or self._rank == root):
+            t = inputs[0].reshape(-1) if len(inputs) == 1 else torch.cat([t.reshape(-1) for t in inputs])
+            data = (t if premul is None else t * premul).view(torch.uint8).numpy().data
 
         pending = _Pending(self, request, 0, None, None, None, deliver, device, time.monotonic())
-        pending.ring = rings.post(request.seq, op, request.dtype, numel, reduce_op, root, fill)
+        pending.ring = rings.post(request.seq, op, request.dtype, numel, reduce_op, root, data)
         pending.req = self._client.defer(request)
         _PENDING.append(pending)
         return pending
@@ -671,11 +665,14 @@ class MirageProcessGroup(dist.ProcessGroup):
             raise dist.DistBackendError(f"mirage: collective #{req.seq} differs between ranks")
         dtype = getattr(torch, req.dtype)
         nbytes = req.numel * dtype.itemsize
-        if req.op is s.CollOp.ALLREDUCE:
-            out = torch.empty(req.numel, dtype=dtype)
+        if req.op is s.CollOp.ALLREDUCE and req.numel:
+            # one tensor (``_into``'s target: contiguous, not any rank's slot) is reduced into straight
+            one = len(p.targets) == 1
+            out = p.targets[0].reshape(-1) if one else torch.empty(req.numel, dtype=dtype)
             parts = [kernels.typed(x, req.dtype) for x in rings.inputs(p.ring, nbytes)]
             kernels.reduce_into(parts, req.reduce_op, req.dtype, kernels.typed(out.view(torch.uint8).numpy(), req.dtype))
-            p.deliver(out)
+            if not one:
+                p.deliver(out)
         elif req.op is s.CollOp.BROADCAST and p.deliver is not None:
             p.deliver(torch.from_numpy(rings.inputs(p.ring, nbytes)[req.root]).view(dtype))
         rings.finish(p.ring)

@@ -35,6 +35,7 @@ import ctypes
 import mmap
 import os
 import platform
+import struct
 import sys
 import time
 from collections.abc import Callable
@@ -63,7 +64,8 @@ MAX_BYTES = _max_bytes() if platform.machine() == "x86_64" else 0
 SLOTS = 8
 
 _HEAD = 64  # the ring's counters: arrived (u32, the futex word) and done (u32)
-_SLOT_HEAD = 64  # a slot's header: seq, op, dtype, numel, reduce op, root (int64 each)
+_SLOT_HEAD = 64  # a slot's header (``_HEADER``), padded
+_HEADER = struct.Struct("=6q")  # seq, op, dtype, numel, reduce op, root
 _OPS = {op: i for i, op in enumerate(CollOp)}
 _REDUCE = {op: i for i, op in enumerate(ReduceOp)}
 _DTYPES = {name: i for i, name in enumerate(kernels.DTYPES)}
@@ -124,10 +126,14 @@ class _Ring:
         self.map = mmap.mmap(fd, _HEAD + SLOTS * (_SLOT_HEAD + slot_bytes))
         self.counters = np.frombuffer(self.map, np.uint32, 2, 0)  # [arrived, done]
         self.arrived_at = self.counters.__array_interface__["data"][0]
-        self.heads = [np.frombuffer(self.map, np.int64, 6, self._at(i)) for i in range(SLOTS)]
 
     def _at(self, slot: int) -> int:
         return _HEAD + slot * (_SLOT_HEAD + self.slot_bytes)
+
+    def head(self, slot: int) -> bytes:
+        """A slot's header, packed (``_HEADER``)."""
+        at = self._at(slot)
+        return self.map[at : at + _HEADER.size]
 
     def data(self, slot: int, nbytes: int) -> np.ndarray:
         """The first ``nbytes`` of a slot's input, as bytes."""
@@ -149,7 +155,7 @@ class PeerRings:
         self.rank, self.size = rank, size
         self._names = [arena_name(session, f"d{comm}-r{r}") for r in range(size)]
         self.posted = 0  # direct collectives this rank posted on the communicator
-        self.heads: dict[int, np.ndarray] = {}  # by ring index: what this rank posted there
+        self.heads: dict[int, bytes] = {}  # by ring index: the header this rank posted there
         self._rings: list[_Ring | None] = [None] * size
         self._rings[rank] = self._create()
         _OWNED.append((os.getpid(), self._rings[rank].path))
@@ -206,17 +212,16 @@ class PeerRings:
         return True
 
     def post(self, seq: int, op: CollOp, dtype: str, numel: int, reduce_op: ReduceOp, root: int,
-             fill: Callable[[np.ndarray], None] | None) -> int:
-        """Write the next slot (``fill`` writes its input bytes) and announce it; returns its ring index.
-
-        The caller has made sure the slot is free (:meth:`slot_free`)."""
+             data: memoryview | None) -> int:
+        """Write the next slot (``data``: its input's bytes, if it sends any) and announce it; returns its
+        ring index. The caller has made sure the slot is free (:meth:`slot_free`)."""
         index = self.posted + 1
         mine = self._rings[self.rank]
-        slot = (index - 1) % SLOTS
-        head = np.array([seq, _OPS[op], _DTYPES[dtype], numel, _REDUCE[reduce_op], root], np.int64)
-        mine.heads[slot][:] = head
-        if fill is not None:
-            fill(mine.data(slot, numel * kernels.itemsize(dtype)))
+        at = mine._at((index - 1) % SLOTS)
+        head = _HEADER.pack(seq, _OPS[op], _DTYPES[dtype], numel, _REDUCE[reduce_op], root)
+        mine.map[at : at + _HEADER.size] = head
+        if data is not None:
+            mine.map[at + _SLOT_HEAD : at + _SLOT_HEAD + data.nbytes] = data
         self.posted = index
         self.heads[index] = head
         mine.counters[0] = index & 0xFFFFFFFF  # after the slot: peers that see it see the slot
@@ -262,7 +267,7 @@ class PeerRings:
         """Whether every peer posted the same collective as this rank at ``index`` (once :meth:`arrived`)."""
         slot = (index - 1) % SLOTS
         mine = self.heads[index]
-        return all(np.array_equal(self._rings[r].heads[slot], mine) for r in range(self.size))
+        return all(self._rings[r].head(slot) == mine for r in range(self.size))
 
     def inputs(self, index: int, nbytes: int) -> list[np.ndarray]:
         """Every rank's input at ``index``, in rank order, as bytes."""
