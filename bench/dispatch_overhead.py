@@ -10,6 +10,12 @@ alternate for N rounds and each figure is the best of its rounds (every
 worker reports its best window), since other jobs on a shared machine only
 ever add time. Prints ms per step and the ratio to native, and the spread of
 the per-round ratios. Issue 3's target: emulated cuda <= 1.3x native.
+
+To measure another checkout OLD, run its copy of this file from OLD with OLD
+first on the path: ``cd OLD && PYTHONPATH=OLD MIRAGE_CACHE_DIR=/tmp/old-cache
+python bench/dispatch_overhead.py``. Without PYTHONPATH its ranks import the
+shim of the checkout the virtual environment has installed (editable), not
+OLD's.
 """
 
 from __future__ import annotations

@@ -53,10 +53,11 @@ def activate() -> None:
     pinned.install()  # its C++ hooks first: torch keeps the first PrivateUse1 hooks registered
     engine.install()  # and the C++ device guard (the first registered is kept too)
     _setup_privateuseone_for_python_backend(rename=BACKEND, backend_module=_Backend())
-    from shim import autocast, cuda, deferred, mode, tensor, torch_compile
+    from shim import autocast, cuda, deferred, fast_dispatch, mode, tensor, torch_compile
 
     tensor.register_factories()
     tensor.register_foreach()
+    fast_dispatch.install()  # views and common ops in C++ where it can be built
     autocast.install()
     deferred.install()
     torch_compile.install()

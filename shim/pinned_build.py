@@ -1,9 +1,11 @@
 """Build ``shim/pinned_host.cpp``, the pinned host allocator ``shim/pinned.py`` loads.
 
 The same way, ``build(source)`` builds the shim's other C++ (``SOURCES``: the
-backend's device guard, ``shim/device_guard.cpp``). Each is one C++ file
-against torch's headers, linked to ``libc10``/``libtorch_cpu``, no Python or
-pybind11: it compiles in about 1.5 s. The library is cached in
+backend's device guard, ``shim/device_guard.cpp``, and the kernels of
+``shim/fast_dispatch.cpp``). Each is one C++ file against torch's headers,
+linked to ``libc10``/``libtorch_cpu``: the first two without Python or
+pybind11 compile in about 1.5 s; the third, which also needs Python's
+headers and ``libtorch_python``, in about 15 s. The library is cached in
 ``$MIRAGE_CACHE_DIR`` if set, else in the virtual environment
 (``<venv>/lib/mirage/``; ``~/.cache/mirage/`` for a Python outside one or a
 venv we cannot write to), named by torch's version and a hash of the source
@@ -30,14 +32,19 @@ import shlex
 import shutil
 import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("pinned_host.cpp")
-#: every library built this way (``source`` below): the pinned allocator, and the backend's device
-#: guard (``shim/device_guard.cpp``, loaded by ``shim/engine.py``); each is cached and fails on its own
+#: every library built this way (``source`` below): the pinned allocator, the backend's device guard
+#: (``shim/device_guard.cpp``, loaded by ``shim/engine.py``) and the fast dispatch kernels; each is
+#: cached and fails on its own
 GUARD_SOURCE = Path(__file__).with_name("device_guard.cpp")
-SOURCES = (SOURCE, GUARD_SOURCE)
+#: ops' kernels for the Python dispatch key (loaded by ``shim/fast_dispatch.py``); unlike the two
+#: above it calls into Python, so it needs Python's headers and libtorch_python
+FAST_DISPATCH_SOURCE = Path(__file__).with_name("fast_dispatch.cpp")
+SOURCES = (SOURCE, GUARD_SOURCE, FAST_DISPATCH_SOURCE)
 
 
 class BuildError(RuntimeError):
@@ -71,9 +78,13 @@ def _command(cxx: str, torch_dir: Path, out: Path, source: Path = SOURCE) -> lis
     # the flags torch.utils.cpp_extension uses (C++20, position independent); the C++ ABI is
     # that of every torch 2.13 wheel, and the rpath lets the loader find libc10 from anywhere
     lib = torch_dir / "lib"
+    python = []
+    if source.name == FAST_DISPATCH_SOURCE.name:
+        # Python's symbols come from the interpreter that loads the library: headers only
+        python = [f"-I{sysconfig.get_paths()['include']}", "-ltorch_python"]
     return [*shlex.split(cxx), "-O2", "-std=c++20", "-fPIC", "-shared", "-D_GLIBCXX_USE_CXX11_ABI=1",
             f"-I{torch_dir / 'include'}", str(source), "-o", str(out),
-            f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
+            f"-L{lib}", "-lc10", "-ltorch_cpu", *python, f"-Wl,-rpath,{lib}"]
 
 
 def library_path(source: Path = SOURCE) -> Path:
@@ -127,12 +138,15 @@ def build(source: Path = SOURCE) -> Path:
     return out
 
 
-def load(source: Path, what: str) -> ctypes.CDLL:
+def load(source: Path, what: str, loader: type[ctypes.CDLL] = ctypes.CDLL) -> ctypes.CDLL:
     """``source``'s library, built if need be and loaded; :class:`BuildError` (one line naming ``what``)
-    if it cannot be built or does not load (built against another torch)."""
+    if it cannot be built or does not load (built against another torch).
+
+    ``loader`` ``ctypes.PyDLL`` keeps the GIL across calls, for a library that takes Python objects.
+    """
     path = build(source)
     try:
-        return ctypes.CDLL(str(path))
+        return loader(str(path))
     except OSError as e:
         raise BuildError(f"cannot load {what}: {e}") from None
 

@@ -355,18 +355,31 @@ def _same_wrapper(w: MirageTensor, o: torch.Tensor, gpu: int) -> MirageTensor:
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 _STRIDED = torch.strided
+#: the C++ wrapper factory (shim/fast_dispatch.py): the wrapper _make_wrapper_subclass makes of a plain
+#: strided tensor, ``_elem`` set, without parsing a dozen keyword arguments per op; None where not built
+_new_wrapper = None
+
+
+def use_wrapper_factory(factory) -> None:
+    """Make wrappers with ``factory(elem)`` (shim/fast_dispatch.py's, in C++), not ``_make_wrapper_subclass``."""
+    global _new_wrapper
+    _new_wrapper = factory
 
 
 def _new(elem: torch.Tensor, gpu: int, src: MirageTensor | None) -> MirageTensor:
     """A wrapper of ``elem`` on GPU ``gpu``: counted through ``src`` (a view of its storage), else on its own."""
-    offset = elem.storage_offset()
-    if offset or elem.layout is not _STRIDED:
-        r = _make_wrapper(MirageTensor, elem.size(), strides=elem.stride(), storage_offset=offset,
-                          dtype=elem.dtype, layout=elem.layout, device=BACKEND_DEVICE)
+    if _new_wrapper is not None and type(elem) is torch.Tensor and elem.layout is _STRIDED:
+        r = _new_wrapper(elem)  # (subclasses, e.g. a collective's AsyncCollectiveTensor, go the general way)
     else:
-        # most outputs: the defaults (offset 0, strided) left out, as each keyword costs its parsing
-        r = _make_wrapper(MirageTensor, elem.size(), strides=elem.stride(), dtype=elem.dtype, device=BACKEND_DEVICE)
-    r._elem = elem
+        offset = elem.storage_offset()
+        if offset or elem.layout is not _STRIDED:
+            r = _make_wrapper(MirageTensor, elem.size(), strides=elem.stride(), storage_offset=offset,
+                              dtype=elem.dtype, layout=elem.layout, device=BACKEND_DEVICE)
+        else:
+            # most outputs: the defaults (offset 0, strided) left out, as each keyword costs its parsing
+            r = _make_wrapper(MirageTensor, elem.size(), strides=elem.stride(), dtype=elem.dtype,
+                              device=BACKEND_DEVICE)
+        r._elem = elem
     r._gpu = gpu
     if src is None:
         r._mem = ALLOCATOR.hold(elem, gpu)

@@ -1,0 +1,216 @@
+"""Ops on emulated cuda tensors in C++ (shim/fast_dispatch.cpp, shim/fast_dispatch.py) and in Python.
+
+One program describes views and other ops' results (values, geometry, the
+wrapper's attributes, autograd's view metadata, gradients, the memory books,
+errors, what a TorchDispatchMode sees, other threads) and is run twice: with
+the C++ kernels, and without a compiler (every op through
+``__torch_dispatch__``). The two descriptions must be the same.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.test_run import mirage_run
+
+pytestmark = pytest.mark.usefixtures("no_orphans")
+
+_PROGRAM = r"""
+import json, threading, torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from shim import device as dev, fast_dispatch, tensor as T
+
+print("fast dispatch:", fast_dispatch.FAST_DISPATCH_ERROR)
+calls = []
+run = T.MirageTensor.__dict__["__torch_dispatch__"].__func__
+def counted(cls, func, types, args=(), kwargs=None):
+    calls.append(str(func))
+    return run(cls, func, types, args, kwargs)
+T.MirageTensor.__torch_dispatch__ = classmethod(counted)
+
+def describe(t, base):
+    src = base._src if base._src is not None else base
+    return dict(type=type(t).__name__, shape=list(t.shape), stride=list(t.stride()), offset=t.storage_offset(),
+                dtype=str(t.dtype), device=str(t.device), requires_grad=t.requires_grad, is_leaf=t.is_leaf,
+                grad_fn=type(t.grad_fn).__name__ if t.grad_fn else None, is_view=t._is_view(),
+                base=t._base is base or (t._base is not None and t._base is base._base), gpu=t._gpu,
+                src=t._src is src, mem=t._mem, keys=str(torch._C._dispatch_keys(t)),
+                elem=[type(t._elem).__name__, list(t._elem.shape), list(t._elem.stride()), t._elem.storage_offset(),
+                      t._elem.data_ptr() - base._elem.data_ptr(), t._elem._is_view()],
+                values=str(t.tolist()))
+
+def show(name, t, base):
+    print(name, json.dumps(describe(t, base), sort_keys=True), flush=True)
+
+x = torch.arange(24., device="cuda:1").reshape(2, 3, 4)
+cases = {
+    "view": lambda: x.view(6, 4), "view_dtype": lambda: x.view(torch.int32), "t": lambda: x[0].t(),
+    "transpose": lambda: x.transpose(0, 2), "detach": lambda: x.detach(), "expand": lambda: x.expand(3, 2, 3, 4),
+    "select": lambda: x.select(1, 2), "unsqueeze": lambda: x.unsqueeze(1), "squeeze_dim": lambda: x[:1].squeeze(0),
+    "squeeze_dims": lambda: x[:1, :1].squeeze((0, 1)), "squeeze": lambda: x[:1].squeeze(),
+    "permute": lambda: x.permute(2, 0, 1), "as_strided": lambda: x.as_strided((2, 2), (1, 2), 1),
+    "slice": lambda: x[:, 1:3], "step": lambda: x[..., ::2], "alias": lambda: torch.ops.aten.alias(x),
+    "diagonal": lambda: x.diagonal(0, 1, 2), "unfold": lambda: x.unfold(2, 2, 1), "narrow": lambda: x.narrow(2, 1, 2),
+    "view_of_view": lambda: x[1].t().unsqueeze(0),
+}
+del calls[:]
+for name, make in cases.items():
+    show(name, make(), x)
+print("calls:", len(calls))
+
+def show_new(name, t):  # a wrapper of its own (another op's output): shim/tensor.py's _new
+    grad_fn = type(t.grad_fn).__name__ if t.grad_fn else None
+    print(name, json.dumps(dict(type=type(t).__name__, shape=list(t.shape), stride=list(t.stride()),
+                                offset=t.storage_offset(), dtype=str(t.dtype), device=str(t.device), gpu=t._gpu,
+                                requires_grad=t.requires_grad, grad_fn=grad_fn, counted=bool(t._mem),
+                                src=t._src is None, keys=str(torch._C._dispatch_keys(t)),
+                                elem=[type(t._elem).__name__, list(t._elem.stride()), t._elem.storage_offset()],
+                                values=str(t.tolist())), sort_keys=True), flush=True)
+
+F = torch.nn.functional
+cases = {
+    "add": lambda: x + 1, "scalar_tensor": lambda: x * torch.tensor(2.0), "clone": lambda: x[:, 1:].clone(),
+    "sum": lambda: x.sum(), "mean": lambda: x.mean(1, keepdim=True), "ones": lambda: torch.ones(3, device="cuda:1"),
+    "empty": lambda: x[:0] * 2, "strided": lambda: torch.empty_strided((2, 3), (1, 2), device="cuda").fill_(2),
+    "to": lambda: x.to(torch.int64), "matmul": lambda: x @ x.transpose(1, 2), "int": lambda: x.long() * 3,
+    "half": lambda: x.half().softmax(-1), "complex": lambda: torch.view_as_complex(x[..., :2].contiguous()) * 1j,
+    "grad": lambda: torch.ones(2, device="cuda", requires_grad=True) * 3, "layer_norm": lambda: F.layer_norm(x, (4,)),
+}
+for name, make in cases.items():
+    show_new(name, make())
+print("memory now", torch.cuda.memory_allocated(0), torch.cuda.memory_allocated(1))
+for name, make in {"two_gpus": lambda: x + torch.ones(4, device="cuda:0"), "cpu": lambda: x + torch.ones(4),
+                   "shapes": lambda: x.mm(x[0])}.items():
+    try:
+        make()
+    except RuntimeError as e:
+        print("error", name, e)
+xl = x.clone().requires_grad_()
+(F.layer_norm(xl, (4,)) * torch.arange(4.0, device="cuda:1")).sum().backward()  # undefined weight/bias grads
+print("layer_norm grad", xl.grad.tolist())
+with dev.allocating_on(0):
+    show_new("allocating_on_plain", x * 2)
+with torch.inference_mode():
+    y = x * 2
+    show_new("inference", y)
+    show("inference_view", y.view(-1), y)
+    print("is_inference", y.is_inference(), y.view(-1).is_inference())
+
+w = torch.arange(24., device="cuda", requires_grad=True)
+y = w.view(2, 3, 4).permute(2, 0, 1).unsqueeze(0).expand(2, 4, 2, 3).select(1, 3)
+show("grad_view", y, w)
+(y * torch.arange(12., device="cuda").view(2, 2, 3)).sum().backward()
+print("grad", w.grad.tolist())
+
+a = torch.zeros(4, 4, device="cuda")
+b = a.t()
+b[0].add_(1)  # through the views to the base's storage
+print("inplace", a.tolist(), a._version, b._version)
+leaf = torch.zeros(3, device="cuda", requires_grad=True)
+try:
+    leaf.view(3).add_(1)
+except RuntimeError as e:
+    print("leaf view in-place:", e)
+
+seen = []
+thread = threading.Thread(target=lambda: seen.append([describe(x.transpose(0, 1), x), (x * 2).tolist()]))
+thread.start()
+thread.join()
+print("thread", json.dumps(seen, sort_keys=True))
+with dev.allocating_on(0):
+    show("allocating_on", x.view(-1), x)
+try:
+    x.transpose(0, 2).view(24)
+except RuntimeError as e:
+    print("error:", e)
+z = torch.tensor([1 + 2j, 3 - 1j], device="cuda")
+print("conj", z.conj().view(2, 1).tolist(), z.conj().view(2, 1).is_conj())
+
+class Log(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+row = x[0]
+del seen[:]
+with Log():
+    show("under_mode", row.t().unsqueeze(0).detach(), x)
+    show_new("plain_under_mode", row * 2)
+print("mode saw", seen)
+
+# what the kernels may take: in-place, device-taking, random and list-returning ops stay in Python
+for check, op in ((fast_dispatch._check_plain, torch.ops.aten.add_.Tensor),
+                  (fast_dispatch._check_plain, torch.ops.aten.ones_like.default),
+                  (fast_dispatch._check_plain, torch.ops.aten.bernoulli.p),
+                  (fast_dispatch._check_plain, torch.ops.aten.view.default),
+                  (fast_dispatch._check_view, torch.ops.aten.split.Tensor)):
+    try:
+        check(op)
+    except AssertionError as e:
+        print("refused:", e)
+
+base = torch.cuda.memory_allocated(1)
+v = torch.ones(1024, device="cuda:1").view(32, 32).t()
+grown = torch.cuda.memory_allocated(1) - base
+del v
+print("memory", grown, torch.cuda.memory_allocated(1) - base)
+"""
+
+
+def _describe(tmp_path, compiler: str) -> tuple[list[str], str, str]:
+    env = [] if compiler == "c++" else ["--env", f"MIRAGE_CACHE_DIR={tmp_path / 'cache'}",
+                                        "--env", "CXX=/nonexistent/c++"]
+    r = mirage_run(tmp_path, "--in-process", "--gpus-per-node", "2", *env, "--", "python", "-c", _PROGRAM)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    [error] = [line for line in lines if line.startswith("[0] fast dispatch: ")]
+    [calls] = [line for line in lines if line.startswith("[0] calls: ")]
+    return [line for line in lines if line not in (error, calls)], error, calls
+
+
+def test_ops_in_cpp_describe_the_same_as_through_torch_dispatch(tmp_path):
+    cpp, error, calls = _describe(tmp_path / "cpp", "c++")
+    assert error == "[0] fast dispatch: None"
+    # every view of the set stayed in C++ but one: view(dtype)'s autograd kernel detaches its input
+    # through torch's Python interpreter (TensorImpl::shallow_copy_and_detach), not the dispatcher
+    assert calls == "[0] calls: 1"
+    python, error, calls = _describe(tmp_path / "python", "none")
+    assert error == ("[0] fast dispatch: no C++ compiler: '/nonexistent/c++' not found (CXX names the compiler, "
+                     "default c++)")
+    assert calls != "[0] calls: 0"
+    assert cpp == python
+    text = "\n".join(cpp)
+    # what both must say, beyond being the same
+    assert '"src": true' in text and '"src": false' not in text, text
+    assert "[0] inplace [[1.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]] 1 1" in cpp
+    assert any(line.startswith("[0] leaf view in-place: a view of a leaf Variable that requires grad") for line in cpp)
+    assert any(line.startswith("[0] thread [[{") for line in cpp), text
+    assert '"gpu": 0' in next(line for line in cpp if line.startswith("[0] allocating_on "))
+    assert '"gpu": 0' in next(line for line in cpp if line.startswith("[0] allocating_on_plain "))
+    assert any(line.startswith("[0] error: view size is not compatible") for line in cpp), text
+    assert ("[0] error two_gpus Expected all tensors to be on the same device, but found at least two devices, "
+            "cuda:1 and cuda:0!") in cpp, text
+    assert any(line.startswith("[0] error shapes ") for line in cpp), text
+    assert ("[0] mode saw ['aten.t.default', 'aten.unsqueeze.default', 'aten.detach.default', "
+            "'aten.mul.Tensor']") in cpp, text
+    assert "[0] memory 4096 0" in cpp, text
+    assert [line for line in cpp if line.startswith("[0] refused: ")] == [
+        "[0] refused: aten.add_.Tensor is not a functional op on tensors and numbers",
+        "[0] refused: aten.ones_like.default is not a functional op on tensors and numbers",
+        "[0] refused: aten.bernoulli.p is not a functional op on tensors and numbers",
+        "[0] refused: aten.view.default is not a functional op on tensors and numbers",
+        "[0] refused: aten.split.Tensor is not a view of its one tensor argument returning one tensor",
+    ], text
+
+
+def test_an_op_past_the_gpus_memory_raises_torchs_error_from_the_cpp_path(tmp_path):
+    """The allocator refuses an output in C++ as in Python (the op then runs in Python, which raises it)."""
+    program = ("import torch\n"
+               "from shim import fast_dispatch\n"
+               "assert fast_dispatch.FAST_DISPATCH_ERROR is None\n"
+               "x = torch.zeros(40 << 20, dtype=torch.uint8, device='cuda')\n"
+               "y = x + 1\n")
+    r = mirage_run(tmp_path, "--in-process", "--hbm", "64MiB", "--", "python", "-c", program)
+    assert r.returncode == 1
+    assert ("[0] torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 40.00 MiB. GPU 0 has a total "
+            "capacity of 64.00 MiB of which 24.00 MiB is free.") in r.stderr, r.stderr[-2000:]
