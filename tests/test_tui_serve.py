@@ -29,16 +29,18 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_textual_serve_renders_the_console():
+def test_textual_serve_renders_the_console(tmp_path):
     port = _free_port()
     app = f"{Path(sys.executable).parent / 'mirage-tui'} --replay tests/fixtures/runs/ddp-2gpu --speed 64"
+    log = open(tmp_path / "server.log", "wb")
     server = subprocess.Popen(
         [sys.executable, "-c", f"from textual_serve.server import Server; "
                                f"Server({app!r}, host='127.0.0.1', port={port}).serve()"],
-        cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
     )
 
-    async def browse() -> bytes:
+    async def browse() -> tuple[bytes, str]:
+        """What one browser session saw, and why it stopped reading."""
         async with aiohttp.ClientSession() as http:
             for _ in range(100):
                 try:
@@ -47,7 +49,7 @@ def test_textual_serve_renders_the_console():
                         break
                 except aiohttp.ClientConnectionError:
                     await asyncio.sleep(0.1)
-            seen = b""
+            seen, ended = b"", "saw the run end"
             async with http.ws_connect(f"ws://127.0.0.1:{port}/ws?width=140&height=45") as ws:
                 # one deadline for the whole session: a receive() that times out marks aiohttp's
                 # socket as abnormally closed, and on a loaded machine the app can be silent for a
@@ -61,16 +63,25 @@ def test_textual_serve_renders_the_console():
                             elif msg.type == aiohttp.WSMsgType.TEXT:
                                 seen += msg.data.encode()
                             else:
+                                ended = f"the websocket ended: {msg.type.name} {msg.data!r}"
                                 break
                 except TimeoutError:
-                    pass  # the assertion below says what was missing
+                    ended = "120 s passed"
                 await ws.send_json(["stdin", "q"])  # the app quits; the server reaps it
                 await asyncio.sleep(0.5)
-            return seen
+            return seen, ended
 
     try:
-        seen = asyncio.run(browse())
+        seen, ended = asyncio.run(browse())
+        if b"run ok: exit 0" not in seen and ended.startswith("the websocket ended"):
+            # once more, in a new session (a new app): under the suite's load the server has closed
+            # one early, the reason not in its log; a console that does not render fails both
+            first = ended
+            seen, ended = asyncio.run(browse())
+            ended = f"{ended} (first session: {first})"
     finally:
         server.terminate()
         server.wait(10)
-    assert b"ddp_mlp_ok" in seen and b"run ok: exit 0" in seen
+        log.close()
+    server_log = (tmp_path / "server.log").read_bytes()[-2000:]
+    assert b"ddp_mlp_ok" in seen and b"run ok: exit 0" in seen, (ended, server_log)
