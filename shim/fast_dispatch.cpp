@@ -164,7 +164,7 @@ bool view_in_cpp(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   torch::jit::Stack inner(args, stack->end());
   inner[0] = cpu;
   {
-    // an error (a shape the view cannot take) reaches view_kernel, which leaves the op to the
+    // an error (a shape the view cannot take) reaches kernel(), which leaves the op to the
     // Python path: views have no side effects, so it runs again there and raises it
     c10::impl::ExcludeDispatchKeyGuard exclude(kAbovePython);
     op.callBoxed(inner);
@@ -185,24 +185,6 @@ bool view_in_cpp(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   torch::jit::drop(*stack, num_arguments);
   torch::jit::push(*stack, std::move(wrapper));
   return true;
-}
-
-void view_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
-  {
-    // the autograd engine calls ops with the GIL released
-    PyGILState_STATE gil = PyGILState_Ensure();
-    bool done = false;
-    try {
-      done = view_in_cpp(op, stack);
-    } catch (const std::exception&) {
-      PyErr_Clear();  // the op's error, or anything unforeseen: the Python path decides
-    }
-    PyGILState_Release(gil);
-    if (done) {
-      return;
-    }
-  }
-  python_fallback(op, keys, stack);
 }
 
 // A functional op (no aliasing, no side effects, no device arguments: shim/fast_dispatch.py picks them)
@@ -265,7 +247,7 @@ bool plain_in_cpp(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
   {
     // as the Python path's func._op does: kernels run without the GIL. An error reaches
-    // plain_kernel, which leaves the op (functional: nothing changed) to the Python path.
+    // kernel(), which leaves the op (functional: nothing changed) to the Python path.
     NoGil no_gil;
     c10::impl::ExcludeDispatchKeyGuard exclude(kAbovePython);
     op.callBoxed(inner);
@@ -307,12 +289,15 @@ bool plain_in_cpp(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   return true;
 }
 
-void plain_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+// The kernel for the Python key: `in_cpp` (view_in_cpp, plain_in_cpp) with the GIL held (the
+// autograd engine calls ops with it released), torch's Python fallback when it declines or throws.
+template <bool (*in_cpp)(const c10::OperatorHandle&, torch::jit::Stack*)>
+void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   {
     PyGILState_STATE gil = PyGILState_Ensure();
     bool done = false;
     try {
-      done = plain_in_cpp(op, stack);
+      done = in_cpp(op, stack);
     } catch (const std::exception&) {
       PyErr_Clear();  // the op's error, or anything unforeseen: the Python path decides
     }
@@ -387,8 +372,8 @@ extern "C" int mirage_register_kernels(PyObject* wrapper_type, PyObject* allocat
         if (name == nullptr) {
           return -1;
         }
-        library->impl(name, names == views ? torch::CppFunction::makeFromBoxedFunction<&view_kernel>()
-                                           : torch::CppFunction::makeFromBoxedFunction<&plain_kernel>());
+        library->impl(name, names == views ? torch::CppFunction::makeFromBoxedFunction<&kernel<&view_in_cpp>>()
+                                           : torch::CppFunction::makeFromBoxedFunction<&kernel<&plain_in_cpp>>());
       }
     }
     g_library = library.release();
