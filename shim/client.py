@@ -191,7 +191,10 @@ class DaemonClient:
         with self._fast_cond:
             self._fast_stash[req] = None
         with self._defer_cond:
-            if self._deferred_bytes + len(line) + 1 > s.FAST_MAX_MESSAGE_BYTES:
+            if self._deferred and (
+                self._deferred_bytes + len(line) + 1 > s.FAST_MAX_MESSAGE_BYTES
+                or time.monotonic() - self._deferred_since > DEFER_MAX_S  # (the thread may not get the GIL)
+            ):
                 self._flush_locked()
             if not self._deferred:
                 self._deferred_since = time.monotonic()
@@ -199,20 +202,20 @@ class DaemonClient:
                     self._flusher = threading.Thread(target=self._flush_later, name="mirage-defer", daemon=True)
                     self._flusher.start()
                 self._defer_cond.notify()
-            elif time.monotonic() - self._deferred_since > DEFER_MAX_S:  # (the thread may not get the GIL)
-                self._flush_locked()
-                self._deferred_since = time.monotonic()
             self._deferred.append(line)
             self._deferred_bytes += len(line) + 1
         return req
 
     def flush(self) -> None:
-        """Send the deferred requests now."""
+        """Send the deferred requests now (dropped if the daemon is gone: nobody keeps the books then)."""
         # (not in a forked child: they are its parent's, and the lock may have been held by a thread
         # the child does not have)
         if self._deferred and os.getpid() == self._pid:
             with self._defer_cond:
-                self._flush_locked()
+                try:
+                    self._flush_locked()
+                except DaemonGone:
+                    pass
 
     def _flush_locked(self) -> None:
         if not self._deferred or os.getpid() != self._pid:
@@ -388,11 +391,7 @@ class DaemonClient:
         return self._arena
 
     def close(self) -> None:
-        if self._fast is not None:
-            try:
-                self.flush()
-            except DaemonGone:
-                pass
+        self.flush()
         if self._arena is not None:
             self._arena.unlink()
         if self._fast is not None:
@@ -427,14 +426,6 @@ def client() -> DaemonClient:
             f"r{rank}-p{os.getpid()}",
             int(os.environ.get("MIRAGE_DAEMON_PID", "0") or 0),
         )
-        atexit.register(_flush_at_exit)
+        # the last rank-to-rank collectives' requests reach the daemon, whose books would miss them
+        atexit.register(_client.flush)
     return _client
-
-
-def _flush_at_exit() -> None:
-    """The last rank-to-rank collectives' requests reach the daemon, whose books would miss them."""
-    if _client is not None and _client.has_fast:
-        try:
-            _client.flush()
-        except (DaemonGone, OSError):
-            pass
