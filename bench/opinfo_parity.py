@@ -1,7 +1,7 @@
 """Fidelity against PyTorch's own corpus: every OpInfo sample on CPU and on emulated cuda, compared.
 
     python bench/opinfo_parity.py [--ops abs,matmul,...] [--limit N] [--dtypes float32,bfloat16,int64]
-                                  [--no-backward] [--json out.json]
+                                  [--no-backward] [--autocast fp16|bf16] [--json out.json]
 
 Walks ``torch.testing._internal.common_methods_invocations.op_db``. The
 comparison runs where a user's program would: inside ``mirage run
@@ -20,6 +20,17 @@ in-place variant and the ``out=`` variant. Each comparison is one of:
   one seed; ops with uninitialised outputs (``empty*``) by shape and dtype alone;
 - failed: anything else, including an exception on one side only (when both
   sides raise, the exception types must match).
+
+With ``--autocast fp16|bf16`` every call runs under ``torch.autocast`` in
+that dtype: on cuda the shim's autocast (shim/autocast.py), and on the CPU a
+reference that applies CUDA's policy by hand — the worker replaces CPU
+autocast's kernels with its own (:func:`use_cuda_policy_on_cpu`: CUDA's op
+lists, casts written here independently of the shim, every other op left
+alone), so both sides must cast the same tensors to the same dtypes. Under
+autocast an op may raise for every sample on both sides (a float16 input a
+CPU and a GPU kernel both lack, ``binary_cross_entropy``'s refusal): when it
+runs without autocast, the same error on both sides is a match, not a broken
+op.
 
 An op's result is its worst sample's. Each op runs under a time limit in the
 worker, and a worker that crashes or hangs is replaced, the op in progress
@@ -51,13 +62,15 @@ HANG_S = OP_TIMEOUT_S + 15
 RANK = {"identical": 0, "within_tol": 1, "shape_only": 2, "failed": 3}
 #: What is compared per op: the function variant, its gradients, the in-place variant, out=.
 PHASES = ("forward", "backward", "inplace", "out")
+#: ``--autocast`` choices: the dtype autocast lowers to
+AUTOCAST = {"fp16": "float16", "bf16": "bfloat16"}
 
 
 # ---------------------------------------------------------------- the driver (no shim here)
 
 
 def run(ops: list[str] | None = None, limit: int | None = None, dtypes: tuple[str, ...] = ("float32",),
-        backward: bool = True, log_dir: str | None = None) -> list[dict]:
+        backward: bool = True, log_dir: str | None = None, autocast: str | None = None) -> list[dict]:
     """Run the comparison in ``mirage run --in-process`` workers and return one row per (op, dtype).
 
     A worker that dies or stops making progress is replaced; the item it was on
@@ -68,6 +81,8 @@ def run(ops: list[str] | None = None, limit: int | None = None, dtypes: tuple[st
         logs = log_dir or os.path.join(tmp, "runs")
         plan: list[list[str]] | None = None
         todo_args = ["--dtypes", ",".join(dtypes)] + (["--no-backward"] if not backward else [])
+        mode_args = ["--autocast", autocast] if autocast else []
+        todo_args += mode_args
         if ops:
             todo_args += ["--ops", ",".join(ops)]
         if limit:
@@ -82,7 +97,7 @@ def run(ops: list[str] | None = None, limit: int | None = None, dtypes: tuple[st
                 items = os.path.join(tmp, "items.json")
                 with open(items, "w") as f:
                     json.dump(remaining, f)
-                args = ["--items", items] + (["--no-backward"] if not backward else [])
+                args = ["--items", items] + (["--no-backward"] if not backward else []) + mode_args
             new_plan, new_rows, started, reason = _one_worker(args, results, logs)
             if plan is None:
                 plan = new_plan or []
@@ -204,6 +219,8 @@ def main() -> None:
                     help="dtypes to run, comma-separated (default float32; an op without float32 on cuda "
                          "runs in its first supported dtype instead)")
     ap.add_argument("--no-backward", action="store_true", help="compare forward results only")
+    ap.add_argument("--autocast", choices=sorted(AUTOCAST),
+                    help="run every call under torch.autocast in this dtype (the CPU side follows CUDA's policy)")
     ap.add_argument("--json", help="write the rows and the summary here")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--results", help=argparse.SUPPRESS)
@@ -213,10 +230,12 @@ def main() -> None:
         worker(ns)
         return
     started = time.monotonic()
-    rows = run(ns.ops.split(",") if ns.ops else None, ns.limit, tuple(ns.dtypes.split(",")), not ns.no_backward)
+    rows = run(ns.ops.split(",") if ns.ops else None, ns.limit, tuple(ns.dtypes.split(",")), not ns.no_backward,
+               autocast=ns.autocast)
     summary = summarize(rows)
     print_table(rows, summary)
-    print(f"\n{len(rows)} (op, dtype) items in {time.monotonic() - started:.0f} s")
+    mode = f" under autocast {ns.autocast}" if ns.autocast else ""
+    print(f"\n{len(rows)} (op, dtype) items{mode} in {time.monotonic() - started:.0f} s")
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump({"command": sys.argv, "summary": summary, "rows": rows}, f, indent=1)
@@ -241,6 +260,10 @@ def worker(ns) -> None:
     torch.set_num_threads(1)  # the machine is shared; both sides run the same CPU kernels anyway
     from torch.testing._internal.common_methods_invocations import op_db
 
+    if ns.autocast:
+        global _AUTOCAST_DTYPE
+        _AUTOCAST_DTYPE = getattr(torch, AUTOCAST[ns.autocast])
+        use_cuda_policy_on_cpu()
     by_name = {op.full_name: op for op in op_db}
     if ns.items:
         with open(ns.items) as f:
@@ -345,7 +368,7 @@ def compare_op(op, dtype, backward: bool = True) -> dict:
             res["forward"] = status
     if no_reference == len(samples):
         return dict(res, forward="skipped", forward_error="GPU-only op: no CPU kernel to compare against")
-    if len(cpu_errors) == len(samples) - no_reference:
+    if len(cpu_errors) == len(samples) - no_reference and not _autocast_made_it_raise(op, samples):
         # op_db's samples are valid inputs: an op that raises for all of them in this process
         # (on both sides) is broken by the emulation, e.g. a torch.cuda function it calls
         return dict(res, forward="failed", forward_error=f"raises for every sample, on CPU too: {_err(cpu_errors[0])}")
@@ -356,6 +379,19 @@ def compare_op(op, dtype, backward: bool = True) -> dict:
     if op.supports_out:
         res["out"] = _compare_variant(op, samples, random_samples, res, "out", _run_out)
     return res
+
+
+def _autocast_made_it_raise(op, samples) -> bool:
+    """Under ``--autocast``, whether the op's first sample runs on the CPU without autocast (so autocast's
+    casts are what make it raise, on both sides: a float16 input no kernel takes, a refused op)."""
+    global _AUTOCAST_DTYPE
+    if _AUTOCAST_DTYPE is None:
+        return False
+    dtype, _AUTOCAST_DTYPE = _AUTOCAST_DTYPE, None
+    try:
+        return _call(op, to_cpu(samples[0]), seed=1)[1] is None
+    finally:
+        _AUTOCAST_DTYPE = dtype
 
 
 def _compare_variant(op, samples, random_samples: set[int], res: dict, name: str, run_one) -> str | None:
@@ -519,14 +555,115 @@ def _grads(op, sample, on_cuda: bool):
 
 
 def _call(op, sample, seed: int):
-    """``op(sample)`` under ``seed``: (result, None) or (None, the exception)."""
+    """``op(sample)`` under ``seed`` (and autocast, with ``--autocast``): (result, None) or (None, the exception)."""
+    import contextlib
+
     import torch
 
     torch.manual_seed(seed)
+    autocast = contextlib.nullcontext()
+    if _AUTOCAST_DTYPE is not None:
+        autocast = torch.autocast("cuda" if names_cuda(sample) else "cpu", dtype=_AUTOCAST_DTYPE)
     try:
-        return op(sample.input, *sample.args, **sample.kwargs), None
+        with autocast:
+            return op(sample.input, *sample.args, **sample.kwargs), None
     except Exception as e:  # noqa: BLE001
         return None, e
+
+
+#: the worker's ``--autocast`` dtype (None: no autocast)
+_AUTOCAST_DTYPE = None
+_reference_libs: list = []
+
+
+def use_cuda_policy_on_cpu() -> None:
+    """Make ``torch.autocast("cpu")`` apply CUDA's autocast policy: the reference for ``--autocast``.
+
+    CPU autocast has lists of its own; each op it casts is made to fall through,
+    then CUDA's ops (the lists in shim/autocast.py, which tests/test_fidelity.py
+    checks against the AutocastCUDA kernels torch registers) get kernels written
+    here from ATen's policies (autocast_mode.h): arguments bound by name to the
+    schema, eligible (floating, not float64) tensors cast.
+    """
+    import warnings
+
+    import torch
+
+    from shim import autocast as cuda_policy
+
+    key = torch._C.DispatchKey.AutocastCPU
+    exclude = torch._C.DispatchKeySet(key)
+    lib = torch.library.Library("aten", "IMPL")
+    _reference_libs.append(lib)
+
+    def eligible(t):
+        return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+
+    def cast(x, dtype):
+        if isinstance(x, (list, tuple)):
+            return type(x)(cast(v, dtype) for v in x)
+        return x.to(dtype) if eligible(x) and x.dtype != dtype else x
+
+    def bind(op, args, kwargs):
+        names = [a.name for a in op._schema.arguments]
+        return {**dict(zip(names, args)), **kwargs}
+
+    def kernel(op, policy):
+        def run(*args, **kwargs):
+            bound = bind(op, args, kwargs)
+            first = next(iter(bound.values()))
+            with torch._C._ExcludeDispatchKeyGuard(exclude):
+                if policy == "lower":
+                    dtype = torch.get_autocast_dtype("cpu")
+                    return op(**{k: cast(v, dtype) for k, v in bound.items()})
+                if policy == "fp32":
+                    return op(**{k: cast(v, torch.float32) for k, v in bound.items()})
+                if policy == "set_opt_dtype":
+                    if eligible(first) and bound.get("dtype") is None:
+                        bound["dtype"] = torch.float32
+                    return op(**bound)
+                # promote: float32 wins over the autocast dtype, float64 and non-floating tensors are ignored
+                dtype = torch.get_autocast_dtype("cpu")
+                for t in torch.utils._pytree.tree_leaves(list(bound.values())):
+                    if eligible(t) and t.dtype == torch.float32:
+                        dtype = torch.float32
+                return op(**{k: cast(v, dtype) for k, v in bound.items()})
+        return run
+
+    def norm(to_overload):
+        def run(self, p=2, dim=None, keepdim=False):
+            dtype = torch.float32 if eligible(self) else self.dtype
+            with torch._C._ExcludeDispatchKeyGuard(exclude):
+                if dim is None:
+                    return to_overload(self, p, dtype=dtype)
+                return to_overload(self, p, dim, keepdim, dtype=dtype)
+        return run
+
+    def banned(*args, **kwargs):
+        raise RuntimeError("unsafe to autocast")  # CUDA refuses binary_cross_entropy (the type is compared)
+
+    def overload(name):
+        packet, _, over = name.partition(".")
+        return getattr(getattr(torch.ops.aten, packet), over or "default")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": that is the point
+        policies = ((cuda_policy.LOWER_PRECISION_FP, "lower"), (cuda_policy.FP32, "fp32"),
+                    (cuda_policy.FP32_SET_OPT_DTYPE, "set_opt_dtype"), (cuda_policy.PROMOTE, "promote"))
+        cuda_ops = {n for names, _ in policies for n in names} | {n for n, _, _ in cuda_policy.APPEND_DTYPE}
+        cuda_ops |= set(cuda_policy.BANNED)
+        for name in torch._C._dispatch_get_all_op_names():
+            short = name.removeprefix("aten::")
+            if (name.startswith("aten::") and short not in cuda_ops
+                    and torch._C._dispatch_has_kernel_for_dispatch_key(name, "AutocastCPU")):
+                lib.impl(short, torch.library.fallthrough_kernel, "AutocastCPU")
+        for names, policy in policies:
+            for name in names:
+                lib.impl(name, kernel(overload(name), policy), "AutocastCPU")
+        for name, to_overload, _ in cuda_policy.APPEND_DTYPE:
+            lib.impl(name, norm(overload(to_overload)), "AutocastCPU")
+        for name in cuda_policy.BANNED:
+            lib.impl(name, banned, "AutocastCPU")
 
 
 def _same_error(ref_err, got_err) -> None:

@@ -53,37 +53,46 @@ def activate() -> None:
     pinned.install()  # its C++ hooks first: torch keeps the first PrivateUse1 hooks registered
     engine.install()  # and the C++ device guard (the first registered is kept too)
     _setup_privateuseone_for_python_backend(rename=BACKEND, backend_module=_Backend())
-    from shim import autocast, cuda, deferred, fast_dispatch, mode, tensor, torch_compile
+    from shim import attention, autocast, cuda, deferred, fast_dispatch, mode, tensor, torch_compile
 
     tensor.register_factories()
     tensor.register_foreach()
     fast_dispatch.install()  # views and common ops in C++ where it can be built
     autocast.install()
     deferred.install()
+    attention.install(tensor.MirageTensor)  # CPU kernels of CUDA-only ops, higher-order ops, SDPA's choice
     torch_compile.install()
     cuda.install()
     mode.install()
-    from shim import backend, serialization, sharding, syncbn
+    from shim import backend, params, serialization, sharding, syncbn, world
 
     backend.install()
     serialization.install()  # torch.load(map_location="cuda:i")
     syncbn.install()  # the CUDA-only kernels of nn.SyncBatchNorm
     sharding.install()  # FSDP2's storage freeing, DTensor.device
+    params.install()  # Module.to and .data = keep a tensor's identity across host and GPU
+    world.install()  # init_process_group tells the daemon who waits for whom (after backend.install)
     _register_rank()
 
 
 def _register_rank() -> None:
-    """Tell the daemon which pid is which rank, so the console can name it."""
+    """Tell the daemon which pid is which rank, so the console can name it (the rank claimed at start-up)."""
+    from shim import bootstrap
+
+    if bootstrap.RANK is not None:
+        register_rank(bootstrap.RANK)
+
+
+def register_rank(rank: int) -> None:
+    """Announce this process to the daemon as global rank ``rank`` and report its GPU memory under it."""
     import os
 
-    if os.environ.get("MIRAGE_RANK_PID") != str(os.getpid()) or os.environ.get("MIRAGE_IN_PROCESS") == "1":
-        return
-    if "MIRAGE_ENDPOINT" not in os.environ:
+    if os.environ.get("MIRAGE_IN_PROCESS") == "1" or "MIRAGE_ENDPOINT" not in os.environ:
         return
     from emulator.schema import Hello
     from shim import memory
     from shim.client import client
 
-    rank, node = int(os.environ.get("RANK", "0")), int(os.environ.get("MIRAGE_NODE_RANK", "0"))
+    node = int(os.environ.get("MIRAGE_NODE_RANK", "0"))
     client().request(Hello(rank=rank, node=node, pid=os.getpid()))
     memory.start_reporter(rank, node)

@@ -6,8 +6,10 @@ torch registers no autocast kernels for it). So whenever cuda autocast is
 switched on or off, the PrivateUse1 one follows, and the kernels registered
 here apply CUDA's op lists (ATen's ``autocast_mode.h``, torch 2.13) with
 CUDA's policies: lower-precision ops run in the autocast dtype, fp32 ops in
-float32, "set dtype" ops get ``dtype=float32``, promote ops the widest input
-type. Every other op falls through.
+float32, "set dtype" ops get ``dtype=float32``, ``norm`` its float32
+overload, promote ops the widest input type. Every other op falls through.
+tests/test_fidelity.py checks the lists against the AutocastCUDA kernels of
+the installed torch.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ LOWER_PRECISION_FP = (
     "matmul", "einsum", "mm", "mv", "linalg_vecdot", "linear", "addbmm", "baddbmm", "bmm", "chain_matmul",
     "linalg_multi_dot", "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell", "lstm_cell", "gru_cell",
     "rnn_tanh_cell", "rnn_relu_cell", "_scaled_dot_product_flash_attention", "scaled_dot_product_attention",
-    "_scaled_dot_product_efficient_attention",
 )
 FP32 = (
     "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt",
@@ -65,6 +66,16 @@ def _cast(x, dtype: torch.dtype):
     return x
 
 
+def cast_lower(tensors: tuple) -> tuple:
+    """``tensors`` as a lower-precision op sees them under cuda autocast (eligible ones in its dtype)."""
+    return _cast(tensors, torch.get_autocast_dtype("cuda"))
+
+
+def excluded():
+    """A guard under which the backend's autocast kernels are skipped, as CUDA's do when they redispatch."""
+    return torch._C._ExcludeDispatchKeyGuard(_EXCLUDE)
+
+
 def _tensors(args, kwargs):
     for a in (*args, *kwargs.values()):
         if isinstance(a, (list, tuple)):
@@ -89,13 +100,45 @@ def _fp32(op):
 
 
 def _set_opt_dtype(op):
+    # softmax/log_softmax take dtype positionally (the dispatcher passes it so when given), the rest
+    # keyword-only: set it where the schema puts it
+    index = next(i for i, a in enumerate(op._schema.arguments) if a.name == "dtype")
+    positional = not op._schema.arguments[index].kwarg_only
+
     def kernel(*args, **kwargs):
         with torch._C._ExcludeDispatchKeyGuard(_EXCLUDE):
-            first = args[0] if args else None
-            if kwargs.get("dtype") is None and _eligible(first):
-                kwargs = dict(kwargs, dtype=torch.float32)
+            if _eligible(args[0] if args else None):
+                if positional and len(args) > index:
+                    if args[index] is None:
+                        args = (*args[:index], torch.float32, *args[index + 1:])
+                elif kwargs.get("dtype") is None:
+                    kwargs = dict(kwargs, dtype=torch.float32)
             return op(*args, **kwargs)
     return kernel
+
+
+def _append_dtype(to_overload, to_args):
+    """CUDA's fp32_append_dtype (``norm``): redispatch to the overload taking a dtype, float32 when eligible."""
+    def kernel(*args):
+        dtype = torch.float32 if _eligible(args[0]) else args[0].dtype
+        with torch._C._ExcludeDispatchKeyGuard(_EXCLUDE):
+            return to_overload(*to_args(*args), dtype=dtype)
+    return kernel
+
+
+def _norm_scalar(self, p=2):
+    return self, p
+
+
+def _norm_dim(self, p, dim, keepdim=False):
+    return self, p, dim, keepdim
+
+
+#: (op, the overload it redispatches to, how its arguments map onto that overload's)
+APPEND_DTYPE = (
+    ("norm.Scalar", "norm.ScalarOpt_dtype", _norm_scalar),
+    ("norm.ScalarOpt_dim", "norm.ScalarOpt_dim_dtype", _norm_dim),
+)
 
 
 def _promote(op):
@@ -154,6 +197,8 @@ def install() -> None:
                           (PROMOTE, _promote)):
         for name in names:
             lib.impl(name, policy(_overload(name)), _KEY)
+    for name, to_overload, to_args in APPEND_DTYPE:
+        lib.impl(name, _append_dtype(_overload(to_overload), to_args), _KEY)
     for name in BANNED:
         lib.impl(name, _banned(name), _KEY)
     torch.set_autocast_enabled = _mirror(torch.set_autocast_enabled)

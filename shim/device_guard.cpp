@@ -14,6 +14,14 @@
 // pinned_host.cpp: a plain shared library, no Python, no pybind11) and
 // registers it before torch.utils.backend_registration would register the
 // Python one, which then leaves it in place.
+//
+// The same guard also answers for DeviceType::CUDA, which a CPU build has no
+// guard for. Tensors that C++ sees on a cuda device do exist here: FakeTensors
+// and meta-like tensors made with device=t.device while tracing (flex
+// attention's score_mod graphs, torch.compile's fake inputs) report cuda:i.
+// When autograd records one (its InputMetadata asks the device's guard for a
+// stream), the missing guard threw "PyTorch is not linked with support for
+// cuda devices" where no exception may leave, and the process aborted.
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
@@ -22,14 +30,16 @@ namespace {
 constexpr c10::DeviceType kBackend = c10::DeviceType::PrivateUse1;
 
 // Exactly the answers of torch's PythonDeviceGuard (torch/csrc/acc/Module.cpp),
-// without the round trip to Python for type().
+// without the round trip to Python for type(): one device of type_ (index 0).
 struct MirageDeviceGuard final : c10::impl::DeviceGuardImplInterface {
-  static c10::Device device() {
-    return c10::Device(kBackend, 0);
+  explicit MirageDeviceGuard(c10::DeviceType type) : type_(type) {}
+
+  c10::Device device() const {
+    return c10::Device(type_, 0);
   }
 
   c10::DeviceType type() const override {
-    return kBackend;
+    return type_;
   }
 
   c10::Device exchangeDevice(c10::Device /*unused*/) const override {
@@ -76,16 +86,28 @@ struct MirageDeviceGuard final : c10::impl::DeviceGuardImplInterface {
   }
 
   void synchronizeStream(const c10::Stream& /*stream*/) const override {}
+
+ private:
+  c10::DeviceType type_;
 };
+
+int register_for(c10::DeviceType type) {
+  if (c10::impl::hasDeviceGuardImpl(type)) {
+    return 0;
+  }
+  c10::impl::registerDeviceGuard(type, new MirageDeviceGuard(type));  // torch keeps it for the process's life
+  return 1;
+}
 
 } // namespace
 
 // 1 when this guard is now PrivateUse1's, 0 when another was registered first
 // (the Python one, if backend_registration ran before).
 extern "C" int mirage_register_device_guard() {
-  if (c10::impl::hasDeviceGuardImpl(kBackend)) {
-    return 0;
-  }
-  c10::impl::registerDeviceGuard(kBackend, new MirageDeviceGuard());  // torch keeps it for the process's life
-  return 1;
+  return register_for(kBackend);
+}
+
+// 1 when this guard now answers for DeviceType::CUDA, 0 when a CUDA build has its own.
+extern "C" int mirage_register_cuda_guard() {
+  return register_for(c10::DeviceType::CUDA);
 }

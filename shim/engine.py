@@ -10,7 +10,11 @@ overhead, session 4"):
   output it records, every DeviceGuard sets and restores the device).
   :func:`install` registers ``shim/device_guard.cpp`` in its place, which
   answers the same in C++. Without a C++ compiler the Python guard stays
-  (:data:`GUARD_ERROR` says why); nothing else changes.
+  (:data:`GUARD_ERROR` says why); nothing else changes. The same guard
+  answers for the CUDA device type, which a CPU build has none for: autograd
+  asks it when it records a tensor C++ sees on cuda (a FakeTensor made with
+  ``device=t.device`` while tracing: flex attention's backward), which would
+  otherwise abort the process.
 - **The device thread.** The autograd engine runs a GPU's backward on a
   thread of its own per device; the calling thread waits. Here every kernel
   is a CPU kernel, so that hand-off only costs: a thread switch in and out
@@ -55,6 +59,9 @@ def _install_guard() -> None:
         GUARD_ERROR = str(e)
     else:
         GUARD_ERROR = None if _guard_lib.mirage_register_device_guard() else "another device guard came first"
+        # tensors C++ sees on cuda (FakeTensors made while tracing) need a guard when autograd records
+        # them; without it that aborts the process (device_guard.cpp). A CUDA build keeps its own.
+        _guard_lib.mirage_register_cuda_guard()
 
 
 def _install_inline_backward() -> None:

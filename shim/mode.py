@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.overrides import TorchFunctionMode
 
-from shim import attention, pinned
+from shim import attention, params, pinned
 from shim import device as dev
 from shim.tensor import BACKEND, BACKEND_DEVICE, MirageTensor
 
@@ -21,6 +21,7 @@ _CUDA = torch.Tensor.cuda
 _SDPA = torch.nn.functional.scaled_dot_product_attention
 _PIN_MEMORY = torch.Tensor.pin_memory
 _IS_PINNED = torch.Tensor.is_pinned
+_COMPATIBLE = params.COMPATIBLE
 
 
 def _cuda_index(d) -> int | None:
@@ -33,8 +34,9 @@ def _cuda_index(d) -> int | None:
         d = torch.device(d)
     if isinstance(d, torch.device) and d.type == BACKEND:
         # C++ names every emulated GPU mirage:0 (e.g. torch's grouping of tensors by device in
-        # clip_grad_norm_ and the foreach optimizers): the GPU meant is the current one
-        return dev.STATE.current
+        # clip_grad_norm_ and the foreach optimizers): the GPU meant is the current one. Another
+        # index was the program's: torch.device(1) names the accelerator's type, cuda on a GPU
+        return dev.check_index(d.index) if d.index else dev.STATE.current
     if isinstance(d, torch.device) and d.type == "cuda":
         return dev.check_index(dev.STATE.current if d.index is None else d.index)
     return None
@@ -75,6 +77,13 @@ class CudaMode(TorchFunctionMode):
             return pinned.pin(args[0])
         if func is _IS_PINNED and pinned.NATIVE_ERROR is not None:
             return pinned.is_pinned(args[0])
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            # A mode is off inside its own __torch_function__, and a HOP's body (flex attention's
+            # score_mod tracing: factories with device=t.device) must still see cuda translated:
+            # dispatch it with the mode back on (calling func would come straight back here)
+            with self:
+                keyset = torch._ops._compute_keyset(args, kwargs, func.non_fallthrough_keys)
+                return func.dispatch(keyset.highestPriorityTypeId(), *args, **kwargs)
         if func is _SDPA:
             out = attention.route(*args, **kwargs)
             if out is not None:
@@ -84,6 +93,8 @@ class CudaMode(TorchFunctionMode):
             d = args[1] if len(args) > 1 else kwargs.get("device")
             gpu = dev.STATE.current if d is None else (_cuda_index(d) if not isinstance(d, int) else dev.check_index(d))
             return _move(args[0], gpu, None, False, kwargs.get("memory_format"))
+        if func is _COMPATIBLE:  # Module._apply asks before it moves a parameter with .data =
+            return params.has_compatible_shallow_copy_type(*args, **kwargs)
         d = kwargs.get("device")
         if d is not None:
             gpu = _cuda_index(d)

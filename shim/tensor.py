@@ -83,7 +83,11 @@ class MirageTensor(torch.Tensor):
         if tensor_contents is None:
             tensor_contents = torch._tensor_str._tensor_str(self._elem.detach(), len("tensor("))
         text = torch._tensor_str._str(self, tensor_contents=tensor_contents)
-        return text.replace(f"{type(self).__name__}(", "tensor(", 1)
+        text = text.replace(f"{type(self).__name__}(", "tensor(", 1)
+        if text.startswith("Parameter(") and getattr(self, "_is_param", False):
+            # torch writes a subclass's parameter as Parameter(...); a GPU's is Parameter.__repr__'s
+            text = "Parameter containing:\n" + text[len("Parameter("):-1]
+        return text
 
     def tolist(self):
         return self._elem.tolist()
@@ -113,10 +117,6 @@ class MirageTensor(torch.Tensor):
         if self.dim() == 0:
             return self.item().__format__(spec)
         return object.__format__(self, spec)
-
-    def __reduce_ex__(self, proto):
-        # checkpoints of cuda tensors load back as CPU tensors on a CPU build
-        return self._elem.clone().__reduce_ex__(proto)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
