@@ -32,7 +32,7 @@ from emulator.arena import Arena, ArenaError, check_name, session_segments
 from emulator.buffers import RankBuffers
 from emulator.hang import HangDetector
 from emulator.kernels import DTYPES, KernelError, Segmented, itemsize
-from emulator.ledger import CommError, Communicator, Ledger, Posted
+from emulator.ledger import CommError, Communicator, Ledger, Posted, Worlds
 from emulator.scheduler import Job, WaveScheduler, input_elements, make_job, make_p2p_job
 from emulator.straggler import StragglerDetector
 
@@ -125,6 +125,7 @@ class Daemon:
         self.poller.register(self.router, zmq.POLLIN)
         self.poller.register(self.fast, zmq.POLLIN)
         self.ledger = Ledger()
+        self.worlds = Worlds()  # init_process_group calls waiting for their peers
         self.scheduler = WaveScheduler()
         self.hangs = HangDetector(hang_timeout_s)
         self.stragglers = StragglerDetector()
@@ -353,6 +354,13 @@ class Daemon:
                 self.rank_pids[msg.rank] = msg.pid
                 self.dead.pop(msg.rank, None)  # a restarted rank (torchrun --max-restarts) is alive again
                 self.publish(s.RankRegistered(rank=msg.rank, node=msg.node, pid=msg.pid))
+            elif isinstance(msg, s.WorldFormation):
+                if not 1 <= msg.size <= MAX_COMM_SIZE or not 0 <= msg.rank < msg.size:
+                    raise CommError("ncclInvalidArgument", f"rank {msg.rank} outside a world of size {msg.size}")
+                self.worlds.record(msg, _alive)
+                self.reply(client, s.Ok(req=msg.req))
+                self.publish(s.WorldStage(world=msg.world, rank=msg.rank, size=msg.size, site=msg.site,
+                                          phase=msg.phase))
             elif isinstance(msg, s.MemoryReport):
                 self.reply(client, s.Ok(req=msg.req))
                 self.publish(s.MemoryUsage(**{f: getattr(msg, f) for f in _MEMORY_FIELDS}))
@@ -607,6 +615,8 @@ class Daemon:
                     job.comm.members[p.request.rank].global_rank for job in self.scheduler.jobs for p in job.posted
                 )
                 for finding in self.hangs.scan(self.ledger, now, busy):
+                    self.publish(finding)
+                for finding in self.hangs.scan_worlds(self.worlds, _alive, now):
                     self.publish(finding)
             self.flush_events(force=False)
             if _orphaned(parent):

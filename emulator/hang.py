@@ -1,4 +1,4 @@
-"""The hang detector: collectives that some ranks joined and others never did.
+"""The hang detector: collectives that some ranks joined and others never did, and worlds that never formed.
 
 NCCL's watchdog notices such a collective after its timeout (10 minutes by
 default) and only from the waiting side. The daemon sees every rank's posts,
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import time
 
-from emulator.ledger import Communicator, Ledger
-from emulator.schema import HangDetected
+from emulator.ledger import Communicator, Ledger, Worlds
+from emulator.schema import CollOp, HangDetected, HangKind
 
 
 class HangDetector:
@@ -48,6 +48,34 @@ class HangDetector:
                 if waited >= self.timeout_s and not missing & busy:
                     self._reported.add((comm.comm, seq))
                     found.append(_finding(comm, seq, waited))
+        return found
+
+
+    def scan_worlds(self, worlds: Worlds, alive, now: float | None = None) -> list[HangDetected]:
+        """Findings for every world some rank has waited to form for longer than the timeout.
+
+        A world hangs while a live rank waits in ``init_process_group`` and ranks
+        are missing from it (never arrived, or arrived and died); ``alive(pid)``
+        tells live processes. Each world is reported once.
+        """
+        now = time.monotonic() if now is None else now
+        found = []
+        for world in worlds.worlds.values():
+            if world.reported or all(a.formed for a in world.arrived.values()):
+                continue  # (nobody waits: no need to ask which processes live)
+            present = {r: a for r, a in world.arrived.items() if alive(a.pid)}
+            waiting = [a.at for a in present.values() if not a.formed]
+            if not waiting or len(present) == world.size or now - min(waiting) < self.timeout_s:
+                continue
+            world.reported = True
+            joined = sorted(present)
+            missing = [r for r in range(world.size) if r not in present]
+            found.append(HangDetected(
+                comm=world.world, seq=0, op=CollOp.BARRIER, dtype="", numel=0, size=world.size,
+                waited_s=round(now - min(waiting), 3), joined=joined, sites=[present[r].site for r in joined],
+                missing=missing, last_enqueued=[0] * len(missing), last_completed=[0] * len(missing),
+                kind=HangKind.WORLD,
+            ))
         return found
 
 

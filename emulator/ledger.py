@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from emulator.profiles import bus_id
-from emulator.schema import CollOp, Collective, CommInit
+from emulator.schema import CollOp, Collective, CommInit, WorldFormation, WorldPhase
 
 
 class CommError(Exception):
@@ -188,3 +188,56 @@ class Ledger:
                     f"but Rank {r.rank} is running collective: {_fingerprint(r)}. "
                     f"Rank {first.rank} called it at {first.site or '?'}; Rank {r.rank} at {r.site or '?'}",
                 )
+
+
+@dataclass
+class Arrival:
+    """A rank that reached ``init_process_group`` of a world."""
+
+    rank: int
+    pid: int
+    site: str
+    at: float = field(default_factory=time.monotonic)  # when it started waiting
+    formed: bool = False  # init_process_group returned
+
+
+@dataclass
+class World:
+    """One world being formed: the ranks that arrived, out of ``size``."""
+
+    world: str
+    size: int
+    arrived: dict[int, Arrival] = field(default_factory=dict)
+    reported: bool = False  # the hang detector reported it (once)
+
+
+class Worlds:
+    """Worlds in formation, keyed by ``WorldFormation.world``; a world leaves once every rank formed it."""
+
+    def __init__(self) -> None:
+        self.worlds: dict[str, World] = {}
+
+    def record(self, msg: WorldFormation, alive) -> None:
+        """Note a rank entering or leaving ``init_process_group``; ``alive(pid)`` tells live processes."""
+        world = self.worlds.get(msg.world)
+        if msg.phase is WorldPhase.JOINING:
+            if world is not None:
+                # processes that are gone, and a rank formed before (a new world under an old name:
+                # new processes, the same rendezvous address), belong to an earlier world
+                stale = msg.rank in world.arrived and world.arrived[msg.rank].formed
+                world.arrived = {r: a for r, a in world.arrived.items() if alive(a.pid) and not stale}
+            if world is None or not world.arrived:
+                world = self.worlds[msg.world] = World(msg.world, msg.size)
+            world.size = max(world.size, msg.size)  # ranks that disagree: the larger world is the one waited for
+            world.arrived[msg.rank] = Arrival(msg.rank, msg.pid, msg.site)
+            return
+        arrival = world.arrived.get(msg.rank) if world is not None else None
+        if arrival is None:
+            return
+        if msg.phase is WorldPhase.FAILED:
+            del world.arrived[msg.rank]
+        else:
+            arrival.formed = True
+        formed = len(world.arrived) == world.size and all(a.formed for a in world.arrived.values())
+        if formed or not world.arrived:
+            del self.worlds[msg.world]

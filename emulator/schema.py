@@ -143,6 +143,32 @@ class CommInit(Request):
     transport: str = "shm"
 
 
+class WorldPhase(str, Enum):
+    """Where a rank is in forming its world (``init_process_group``)."""
+
+    JOINING = "joining"  # about to wait in init_process_group (the store rendezvous) for its peers
+    FORMED = "formed"  # init_process_group returned: every rank of the world arrived
+    FAILED = "failed"  # init_process_group raised (its timeout, a bad argument)
+
+
+@dataclass(frozen=True)
+class WorldFormation(Request):
+    """Rank ``rank`` of a world of ``size`` ranks enters or leaves ``init_process_group``.
+
+    ``world`` names the rendezvous (its address and the how-many-th world of it
+    this process forms), so that the ranks of one world agree on it; ``site`` is
+    where the user's code called ``init_process_group``.
+    """
+
+    TYPE: ClassVar[str] = "world_formation"
+    world: str = ""
+    rank: int = 0
+    size: int = 1
+    pid: int = 0
+    site: str = ""
+    phase: WorldPhase = WorldPhase.JOINING
+
+
 @dataclass(frozen=True)
 class MemoryReport(Request):
     """A rank's allocator figures for one GPU, sent when they change (a few times a second at most)."""
@@ -361,6 +387,25 @@ class CommFailed(Event):
     message: str = ""
 
 
+class HangKind(str, Enum):
+    """What a hang waits for."""
+
+    COLLECTIVE = "collective"  # a collective (or message) some ranks posted and others did not
+    WORLD = "world"  # init_process_group: ranks that never arrived to form the world
+
+
+@dataclass(frozen=True)
+class WorldStage(Event):
+    """A rank's ``WorldFormation``, as the daemon recorded it."""
+
+    TYPE: ClassVar[str] = "world"
+    world: str = ""
+    rank: int = 0
+    size: int = 1
+    site: str = ""
+    phase: WorldPhase = WorldPhase.JOINING
+
+
 @dataclass(frozen=True)
 class HangDetected(Event):
     """Collective ``seq`` of ``comm``: some ranks joined ``waited_s`` ago, others never came.
@@ -368,6 +413,9 @@ class HangDetected(Event):
     Ranks are global ranks; ``sites`` pairs with ``joined`` (where each joined
     rank called the collective), ``last_enqueued``/``last_completed`` pair with
     ``missing`` (the last sequence numbers those ranks posted and finished).
+    With ``kind`` WORLD, ``comm`` is the world (``WorldFormation.world``), ``op``
+    BARRIER and ``seq`` 0: ``joined`` ranks wait in ``init_process_group`` (at
+    ``sites``), ``missing`` ranks never reached it.
     """
 
     TYPE: ClassVar[str] = "hang"
@@ -383,6 +431,13 @@ class HangDetected(Event):
     missing: list[int] = field(default_factory=list)
     last_enqueued: list[int] = field(default_factory=list)
     last_completed: list[int] = field(default_factory=list)
+    kind: HangKind = HangKind.COLLECTIVE
+
+    def waiting_for(self) -> str:
+        """What the waiting ranks wait in, in words: ``collective #7 (allreduce) of 3f2a…``."""
+        if self.kind is HangKind.WORLD:
+            return f"world formation (init_process_group) of {self.comm[:8]}"
+        return f"collective #{self.seq} ({self.op.value}) of {self.comm[:8]}"
 
 
 @dataclass(frozen=True)

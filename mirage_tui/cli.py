@@ -279,7 +279,7 @@ def _print_status(run_dir: str | None, log_dir: str | None, fr_dump: bool) -> in
     print(state.ledger_table(now=None if state.ended else time.time()))
     print(state.memory_table())
     for h in state.hangs:
-        print(f"hang: collective #{h.seq} ({h.op.name}) of {h.comm[:8]}: missing ranks {set(h.missing)}")
+        print(f"hang: {h.waiting_for()}: missing ranks {set(h.missing)}")
     if fr_dump:
         from mirage_tui import flight_recorder
 

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 
 import psutil
 
-from emulator.schema import STACK_SIGNAL, CollOp, HangDetected
+from emulator.schema import STACK_SIGNAL, CollOp, HangDetected, HangKind
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,7 @@ class HangDiagnosis:
     def to_json(self) -> dict:
         f = self.finding
         return {
+            "kind": f.kind.value,
             "comm": f.comm,
             "seq": f.seq,
             "op": f.op.name,
@@ -166,6 +167,8 @@ _INTERNAL_DIRS = _package_dirs("torch", "shim")
 def render(d: HangDiagnosis) -> str:
     """The report as text, in Flight Recorder's and NCCL's wording where they have one."""
     f = d.finding
+    if f.kind is HangKind.WORLD:
+        return _render_world(d)
     what = "message" if f.op in (CollOp.SEND, CollOp.RECV) else "collective"
     lines = [
         f"HANG: {what} #{f.seq} ({f.op.name}, {f.numel} x {f.dtype}) of communicator {f.comm[:8]} "
@@ -186,16 +189,39 @@ def render(d: HangDiagnosis) -> str:
             lines.append(f"  [{rank}] joined but didn't finish collective #{enq} (count from 1)")
         else:
             lines.append(f"  [{rank}] finished collective #{done}, but didn't join collective #{f.seq}")
-        s = d.ranks.get(rank)
-        if s is None:
-            continue
-        pid = "?" if s.pid is None else s.pid
-        lines.append(f"      process {pid}: {s.process}")
-        if s.last_output_age_s is not None:
-            lines.append(f"      last output {s.last_output_age_s:.1f} s ago: {s.last_output}")
-        frame = _innermost_user_frame(s.stacks)
-        if frame:
-            lines.append(f"      now at: {frame}")
+        lines += _rank_lines(d.ranks.get(rank))
+    return "\n".join(lines)
+
+
+def _rank_lines(s: RankState | None) -> list[str]:
+    """A rank's process, last output and where its main thread is now."""
+    if s is None:
+        return []
+    pid = "?" if s.pid is None else s.pid
+    lines = [f"      process {pid}: {s.process}"]
+    if s.last_output_age_s is not None:
+        lines.append(f"      last output {s.last_output_age_s:.1f} s ago: {s.last_output}")
+    frame = _innermost_user_frame(s.stacks)
+    if frame:
+        lines.append(f"      now at: {frame}")
+    return lines
+
+
+def _render_world(d: HangDiagnosis) -> str:
+    """A world that never formed: who waits in init_process_group, who never arrived."""
+    f = d.finding
+    lines = [
+        f"HANG: world formation (init_process_group) of {f.comm} ({f.size} ranks) has waited {f.waited_s:.1f} s "
+        f"for {len(f.missing)} rank(s)",
+        f"  joined ranks: {{{', '.join(map(str, f.joined))}}}",
+        f"  missing ranks: {{{', '.join(map(str, f.missing))}}}",
+    ]
+    for rank, site in zip(f.joined, f.sites):
+        lines.append(f"  [{rank}] waits in init_process_group at {site or '?'}")
+        lines += _rank_lines(d.ranks.get(rank))
+    for rank in f.missing:
+        lines.append(f"  [{rank}] rank {rank} never registered: it did not reach init_process_group")
+        lines += _rank_lines(d.ranks.get(rank))
     return "\n".join(lines)
 
 
@@ -210,7 +236,9 @@ def write(d: HangDiagnosis, run_dir: str) -> str:
     with open(path, "w") as f:
         json.dump(reports, f, indent=2)
     with open(os.path.join(run_dir, "stacks.txt"), "a") as f:
-        f.write(f"=== hang: collective #{d.finding.seq} of communicator {d.finding.comm[:8]} ===\n")
+        what = (f"world formation of {d.finding.comm}" if d.finding.kind is HangKind.WORLD
+                else f"collective #{d.finding.seq} of communicator {d.finding.comm[:8]}")
+        f.write(f"=== hang: {what} ===\n")
         for rank, s in d.ranks.items():
             f.write(f"--- rank {rank} (pid {s.pid}, {s.process}) ---\n{s.stacks or '(no stacks)'}\n\n")
     return path

@@ -303,11 +303,19 @@ class Session:
         return env
 
     def node_env(self, node: int, master_port: int) -> dict[str, str]:
-        """The environment node process ``node`` starts with."""
+        """The environment node process ``node`` starts with.
+
+        One node is a machine's shell: no per-rank variables, so launchers that
+        start their own ranks (Lightning, Accelerate, ``mp.spawn``) see what they
+        would see there. Several nodes launched directly (one process per node)
+        get ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` for ``env://``, as a job
+        scheduler gives them. What the user exported passes through, as in a shell.
+        """
         topo = self.topology
         env = {k: v for k, v in os.environ.items() if k != "MIRAGE_RANK_PID"}
+        if topo.num_nodes > 1:
+            env.update(RANK=str(node), WORLD_SIZE=str(topo.num_nodes), LOCAL_RANK="0")
         env.update(
-            RANK=str(node), WORLD_SIZE=str(topo.num_nodes), LOCAL_RANK="0",
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port),
             NCCL_HOSTID=f"mirage-node-{node}", PYTHONUNBUFFERED="1",
         )
@@ -420,8 +428,8 @@ class Session:
             "communicators": st.to_json(),
             "gpu_memory": st.memory_json(),
             "hangs": [
-                {"comm": h.comm, "seq": h.seq, "op": h.op.name, "joined": h.joined, "missing": h.missing,
-                 "waited_s": h.waited_s}
+                {"kind": h.kind.value, "comm": h.comm, "seq": h.seq, "op": h.op.name, "joined": h.joined,
+                 "missing": h.missing, "waited_s": h.waited_s}
                 for h in st.hangs
             ],
         }
@@ -457,10 +465,9 @@ class Session:
                 text = f"{diagnosis.render(d)}\n  (the report and Flight Recorder dumps could not be saved: {why})"
             self.emit(s.HangReport(comm=finding.comm, seq=finding.seq, text=text, path=path))
             missing = ", ".join(map(str, finding.missing))
-            summary = summary or (
-                f"hang in collective #{finding.seq} ({finding.op.name}): missing ranks {{{missing}}}; "
-                f"report: {path}"
-            )
+            what = (f"world formation (init_process_group) of {finding.comm}" if finding.kind is s.HangKind.WORLD
+                    else f"collective #{finding.seq} ({finding.op.name})")
+            summary = summary or f"hang in {what}: missing ranks {{{missing}}}; report: {path}"
 
     def _failure_summary(self, node: int, code: int) -> str:
         """Who failed first and how, then which ranks raised (and where their logs are)."""

@@ -1,11 +1,13 @@
 """Decide what this process is, capture its output, and arm the torch hook.
 
 Run from ``sitecustomize`` before any user code. A process is one of:
-- torchrun's agent: left alone (its lines reach the session as ``[node<n>]``);
+- torchrun's agent: only counts the node's emulated GPUs (``--nproc_per_node=gpu``
+  or ``auto``); its lines reach the session as ``[node<n>]``;
 - a rank (the first non-agent Python process of a node, or a torchrun worker):
   its output goes to the rank files, and torch is emulated once imported;
 - a descendant of a rank (DataLoader workers, ``mp.spawn`` children): torch is
-  emulated, output stays with the rank that started it.
+  emulated, output stays with the rank that started it until it forms a world
+  of its own (``shim.world`` then claims the rank ``init_process_group`` gives it).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import os
 import sys
 
 _AGENT_MODULES = ("torch.distributed.run", "torch.distributed.launch")
+#: The rank this process claimed at start-up ($RANK, else 0), or None for a descendant of a rank.
+RANK: int | None = None
 
 
 def is_torchrun_agent(argv: list[str]) -> bool:
@@ -25,8 +29,11 @@ def is_torchrun_agent(argv: list[str]) -> bool:
     return any(a == "-m" and b in _AGENT_MODULES for a, b in zip(argv, argv[1:]))
 
 
-class _ActivateAfterTorch(importlib.abc.MetaPathFinder):
-    """Runs the emulation's activation right after ``import torch`` completes."""
+class _AfterTorch(importlib.abc.MetaPathFinder):
+    """Runs ``then()`` right after ``import torch`` completes."""
+
+    def __init__(self, then):
+        self.then = then
 
     def find_spec(self, name, path, target=None):
         if name != "torch":
@@ -37,30 +44,52 @@ class _ActivateAfterTorch(importlib.abc.MetaPathFinder):
             return spec
         exec_module = spec.loader.exec_module
 
-        def exec_then_activate(module):
+        def exec_then(module):
             exec_module(module)
-            from shim.activate import activate
+            self.then()
 
-            activate()
-
-        spec.loader.exec_module = exec_then_activate
+        spec.loader.exec_module = exec_then
         return spec
+
+
+def _activate() -> None:
+    from shim.activate import activate
+
+    activate()
+
+
+def _count_gpus_in_agent() -> None:
+    """torchrun's agent answers ``torch.cuda``/``torch.accelerator``'s counts with the node's emulated GPUs."""
+    import torch
+
+    from shim.device import STATE
+
+    count = STATE.count
+    torch.cuda.is_available = lambda: count > 0
+    torch.cuda.device_count = lambda: count
+    torch.accelerator.is_available = lambda: count > 0
+    torch.accelerator.device_count = lambda: count
+    torch.accelerator.current_accelerator = lambda check_available=False: torch.device("cuda") if count else None
+
+
+def _after_torch(then) -> None:
+    if "torch" in sys.modules:
+        then()
+    else:
+        sys.meta_path.insert(0, _AfterTorch(then))
 
 
 def boot() -> None:
     """Entry point from sitecustomize."""
     if is_torchrun_agent(sys.orig_argv):
+        _after_torch(_count_gpus_in_agent)
         return
+    global RANK
     if "MIRAGE_RANK_PID" not in os.environ:
         os.environ["MIRAGE_RANK_PID"] = str(os.getpid())
         from shim.output import arm_stack_dumps, capture
 
-        rank = int(os.environ.get("RANK", "0"))
-        capture(os.environ["MIRAGE_RUN_DIR"], rank)
-        arm_stack_dumps(os.environ["MIRAGE_RUN_DIR"], rank)
-    if "torch" in sys.modules:
-        from shim.activate import activate
-
-        activate()
-    else:
-        sys.meta_path.insert(0, _ActivateAfterTorch())
+        RANK = int(os.environ.get("RANK", "0"))
+        capture(os.environ["MIRAGE_RUN_DIR"], RANK)
+        arm_stack_dumps(os.environ["MIRAGE_RUN_DIR"], RANK)
+    _after_torch(_activate)

@@ -320,19 +320,34 @@ class Allocator:
 REPORT_INTERVAL_S = 0.25
 
 
+#: (global rank, node) the reporter speaks for; None until it starts
+_reporting_as: tuple[int, int] | None = None
+
+
 def start_reporter(rank: int, node: int) -> None:
-    """Tell the daemon, a few times a second while it changes, what each GPU of this rank holds."""
+    """Tell the daemon, a few times a second while it changes, what each GPU of this rank holds.
+
+    Called again (a launcher's child learns its rank in ``init_process_group``),
+    the running reporter speaks for the new rank from then on.
+    """
     from emulator.schema import MemoryReport
     from shim.client import client
 
+    global _reporting_as
+    started = _reporting_as is not None
+    _reporting_as = (rank, node)
+    if started:
+        return
+
     def run() -> None:
-        seen = -1
+        seen = None
         while True:
             time.sleep(REPORT_INTERVAL_S)
             ALLOCATOR.sync()
-            if ALLOCATOR.version == seen:
+            if (ALLOCATOR.version, _reporting_as) == seen:
                 continue
-            seen = ALLOCATOR.version
+            seen = (ALLOCATOR.version, _reporting_as)
+            rank, node = _reporting_as
             for i, d in enumerate(ALLOCATOR.devices):
                 if not d.bytes_in[0] + d.bytes_in[1]:
                     continue  # a GPU this rank never touched

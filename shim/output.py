@@ -23,6 +23,9 @@ def rank_stream_path(run_dir: str, rank: int, stream: str) -> str:
 
 def capture(run_dir: str, rank: int) -> None:
     """Point fds 1 and 2 (and everything that inherits them) at the rank's files."""
+    for f in (sys.stdout, sys.stderr):
+        if f is not None:
+            f.flush()  # what was printed before belongs where fds 1 and 2 pointed then
     for fd, stream in ((1, "stdout"), (2, "stderr")):
         target = os.open(rank_stream_path(run_dir, rank, stream), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.dup2(target, fd)

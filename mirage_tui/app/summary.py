@@ -71,7 +71,7 @@ class Summary:
                     span.ended = e.t
         elif isinstance(e, s.HangDetected):
             self.findings.append(Finding(
-                "hang", f"collective #{e.seq} ({e.op.value}) of {e.comm[:8]}: missing ranks "
+                "hang", f"{e.waiting_for()}: missing ranks "
                 f"{{{', '.join(map(str, e.missing))}}}, joined {{{', '.join(map(str, e.joined))}}}, "
                 f"waited {e.waited_s:.1f} s"))
         elif isinstance(e, s.CommFailed):
