@@ -23,6 +23,7 @@ rings, and the daemon, told afterwards, only keeps the books.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import dataclasses
 import functools
 import itertools
@@ -46,7 +47,7 @@ from emulator.arena import Arena, arena_name
 from emulator import schema as s
 from shim import client as cl
 from shim import shared_buffers as sb
-from shim import direct, nccl_debug, pinned
+from shim import direct, nccl_debug, pinned, pinned_build
 from shim import device as dev
 from shim.cuda import NCCL_VERSION
 from shim.tensor import MirageTensor
@@ -274,6 +275,135 @@ _COLLECTIVE_LOCK = threading.Lock()
 _PLAIN = torch._C.DisableTorchFunction
 
 
+# -- what torch.profiler sees of a collective, as ProcessGroupNCCL records it (``shim/comms_native.cpp``):
+# "record_param_comms" around posting, with the collective's metadata, and an async "nccl:<op>"
+# event with the call's inputs from posting until its work completes.
+#: the library (it also registers DDP's timer for the emulated device), or None: see NATIVE_ERROR
+_native: ctypes.CDLL | None = None
+#: None once loaded; else why not (one line): then no profiler events, and DDP reports no times
+NATIVE_ERROR: str | None = "shim.backend.install() has not run"
+_profiler_enabled = torch._C._autograd._profiler_enabled
+#: c10's ScalarType numbering, which ParamCommsDebugInfo records as the collective's dtype
+_SCALAR_TYPE = {
+    torch.uint8: 0, torch.int8: 1, torch.int16: 2, torch.int32: 3, torch.int64: 4, torch.float16: 5,
+    torch.float32: 6, torch.float64: 7, torch.complex32: 8, torch.complex64: 9, torch.complex128: 10,
+    torch.bool: 11, torch.bfloat16: 15,
+}
+_Handle = ctypes.c_void_p
+#: global ranks of the group being created, set around ``_new_process_group_helper`` (the backend's
+#: constructor is not told them); what NCCL derives its globalRankStart / globalRankStride from
+_creating_ranks: list[int] = []
+
+
+def _load_native() -> None:
+    global _native, NATIVE_ERROR
+    try:
+        lib = pinned_build.load(pinned_build.COMMS_SOURCE, "the collectives' profiler events and DDP's timer")
+    except pinned_build.BuildError as e:
+        NATIVE_ERROR = str(e)
+        return
+    i64p = ctypes.POINTER(ctypes.c_int64)
+    lib.mirage_work_begin.restype = _Handle
+    lib.mirage_work_begin.argtypes = [ctypes.c_char_p, i64p, ctypes.c_int]
+    lib.mirage_work_end.argtypes = [_Handle]
+    lib.mirage_param_comms_begin.restype = _Handle
+    lib.mirage_param_comms_begin.argtypes = [
+        ctypes.c_int64, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int64,
+        ctypes.c_int64, ctypes.c_int, i64p, ctypes.c_int, i64p, ctypes.c_int, i64p, ctypes.c_int, i64p,
+        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+    ]
+    lib.mirage_param_comms_end.argtypes = [_Handle]
+    _native, NATIVE_ERROR = lib, None
+
+
+def _tensors_of(x) -> list[torch.Tensor]:
+    """The tensors of a collective's argument (a tensor, a list, a list of lists), in order."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for item in x for t in _tensors_of(item)]
+    return []
+
+
+def _impls(tensors: list[torch.Tensor]):
+    # NCCL records a complex tensor as the real view it sends
+    ts = [torch.view_as_real(t) if t.is_complex() else t for t in tensors]
+    return (ctypes.c_int64 * len(ts))(*(t._cdata for t in ts)), ts  # the views must live through the call
+
+
+def _ints(values):
+    values = list(values or [])
+    return (ctypes.c_int64 * len(values))(*values), len(values)
+
+
+def _profiled(title: str, coll: str, inputs: int, outputs: int | None = None):
+    """Record a collective method's calls for torch.profiler as ProcessGroupNCCL does (when one listens).
+
+    ``title`` is the async event's name (``{rank}``/``{peer}`` filled in for
+    point-to-point), ``coll`` record_param_comms' collective name, ``inputs`` and
+    ``outputs`` the argument positions of the input and output tensors.
+    """
+
+    def wrap(method):
+        @functools.wraps(method)
+        def call(self, *args, **kwargs):
+            if _native is None or not _profiler_enabled():
+                return method(self, *args, **kwargs)
+            ins = _tensors_of(args[inputs]) if inputs < len(args) else []
+            outs = _tensors_of(args[outputs]) if outputs is not None and outputs < len(args) else ins
+            peer = args[1] if title.endswith("}") and len(args) > 1 else None
+            name = title.format(rank=self._rank, peer=peer)
+            in_arr, _in_keep = _impls(ins)
+            out_arr, _out_keep = _impls(outs)
+            in_splits = out_splits = None
+            if method.__name__ == "alltoall_base":
+                out_splits, in_splits = args[2], args[3]
+            in_s, n_in_s = _ints(in_splits)
+            out_s, n_out_s = _ints(out_splits)
+            start, stride = self._global_start_stride
+            pc = _native.mirage_param_comms_begin(
+                self._seq + 1, self._group_name.encode(), self._group_desc.encode(), self._rank, coll.encode(),
+                sum(t.numel() for t in ins), sum(t.numel() for t in outs),
+                _SCALAR_TYPE.get(ins[0].dtype if ins else torch.float32, 6), in_arr, len(ins), out_arr, len(outs),
+                in_s, n_in_s, out_s, n_out_s, start, stride, self._size,
+            )
+            handle = _native.mirage_work_begin(name.encode(), in_arr, len(ins))
+            try:
+                work = method(self, *args, **kwargs)
+            except BaseException:
+                if handle:
+                    _native.mirage_work_end(handle)
+                raise
+            finally:
+                if pc:
+                    _native.mirage_param_comms_end(pc)
+            if handle:
+                work._profile = handle  # closed when the work completes
+            return work
+
+        return call
+
+    return wrap
+
+
+def _record_wait(pg, last) -> None:
+    """The "record_param_comms" event named "wait" that ProcessGroupNCCL's ``WorkNCCL::wait`` records."""
+    empty, _ = _ints([])
+    name, desc = (pg._group_name, pg._group_desc) if pg is not None else ("", "")
+    handle = _native.mirage_param_comms_begin(
+        last.request.seq if last is not None else -1, name.encode(), desc.encode(),
+        pg._rank if pg is not None else -1, b"wait", 0, 0, 0, empty, 0, empty, 0, empty, 0, empty, 0, -1, -1, 1)
+    if handle:
+        _native.mirage_param_comms_end(handle)
+
+
+def _end_profile(work) -> None:
+    """Close a completed work's profiler event, once."""
+    handle, work._profile = work._profile, None
+    if handle:
+        _native.mirage_work_end(handle)
+
+
 class _Pending:
     """A collective posted to the daemon whose output is not delivered yet."""
 
@@ -317,8 +447,35 @@ def _slot_arena(client: cl.DaemonClient, slot: int, nbytes: int) -> Arena:
     return arena
 
 
+def _drain(group_name: str | None = None) -> None:
+    """Complete posted collectives, in order, as ``ncclCommFinalize`` does before a communicator lets go:
+    those of the group named ``group_name`` (and, the order being a stream's, every earlier one), or all.
+
+    Each waits at most its group's timeout; a failure raises as the collective's own wait would.
+    """
+    with _COLLECTIVE_LOCK, _PLAIN():
+        last = next((p for p in reversed(_PENDING) if group_name is None or p.pg._group_name == group_name), None)
+        if last is not None:
+            _complete_through(last)
+
+
 @atexit.register
 def _unlink_slots() -> None:
+    """At exit: complete what the process posted and never waited for, then remove its staging buffers.
+
+    A peer's collective reads this rank's inputs from these buffers (and from
+    the storages it lent, and its rings) when the peer posts it, maybe after
+    this process is gone. A process ending on an uncaught exception does not
+    wait (NCCL aborts its communicators then); its peers' collectives fail.
+    """
+    if _PENDING and not hasattr(sys, "last_value"):
+        try:
+            _drain()
+        except Exception as e:  # noqa: BLE001 - the exit goes on; the collective's error is the news
+            print(f"mirage: at exit, a collective posted and never waited for failed: {str(e).splitlines()[0]}",
+                  file=sys.stderr, flush=True)
+        if cl._client is not None:
+            cl._client.flush()  # the books of rank-to-rank collectives completed just now
     for arena in _SLOTS.values():
         arena.unlink()
 
@@ -387,37 +544,46 @@ class _CollectiveWork(dist.Work):
     runs them — and a hook's nested collectives keep the same order on every rank.
     """
 
+    _profile = None  # the profiler's open event for this call (``_profiled``), closed on completion
+
     def __init__(self, result, last: _Pending | None):
         super().__init__()
         self._result, self._last = result, last
 
     def wait(self, timeout=None) -> bool:
+        if _native is not None and _profiler_enabled():
+            _record_wait(self._last.pg if self._last is not None else None, self._last)
+        return self._complete()
+
+    def _complete(self) -> bool:
         if self._last is not None and not self._last.done:
             with _COLLECTIVE_LOCK, _PLAIN():
                 _complete_through(self._last)
+        if self._profile:
+            _end_profile(self)
         return True
 
     def is_completed(self) -> bool:
         last = self._last
-        if last is None or last.done:
-            return True
-        with _COLLECTIVE_LOCK, _PLAIN():
-            if last.done:
-                return True
-            upto = list(itertools.takewhile(lambda p: p is not last, _PENDING)) + [last]
-            if not all(p.ready() for p in upto):
-                return False
-            _complete_through(last)  # answered: copying out does not block
+        if last is not None and not last.done:
+            with _COLLECTIVE_LOCK, _PLAIN():
+                if not last.done:
+                    upto = list(itertools.takewhile(lambda p: p is not last, _PENDING)) + [last]
+                    if not all(p.ready() for p in upto):
+                        return False
+                    _complete_through(last)  # answered: copying out does not block
+        if self._profile:
+            _end_profile(self)
         return True
 
     def get_future(self):
-        self.wait()
+        self._complete()
         fut = Future()
         fut.set_result(self._result)
         return fut
 
     def result(self):
-        self.wait()
+        self._complete()
         return self._result
 
 
@@ -437,6 +603,7 @@ class MirageProcessGroup(dist.ProcessGroup):
         self._socket = False  # the data path: ZeroMQ frames (NET/Socket) or the arena; chosen below
         self._direct_ok = False  # whether small collectives may go rank to rank (``shim.direct``)
         self._rings: direct.PeerRings | None = None  # made at the first that does
+        self._global_start_stride = _start_stride(_creating_ranks)  # what record_param_comms reports
         # the default group is built before torch records it (and again after destroy_process_group)
         self._is_default = not dist.is_initialized()
         global _faults_chosen
@@ -706,6 +873,7 @@ class MirageProcessGroup(dist.ProcessGroup):
             return _CollectiveWork(result, _PENDING[-1] if _PENDING else None)
 
     @_cpu_via_gloo
+    @_profiled("nccl:all_reduce", "allreduce", 0)
     def allreduce(self, tensors, opts=None):
         red = _reduction(opts)
         for t in tensors:
@@ -715,6 +883,7 @@ class MirageProcessGroup(dist.ProcessGroup):
         return self._done(tensors)
 
     @_cpu_via_gloo
+    @_profiled("nccl:broadcast", "broadcast", 0)
     def broadcast(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
         for t in tensors:
@@ -725,6 +894,7 @@ class MirageProcessGroup(dist.ProcessGroup):
         return self._done(tensors)
 
     @_cpu_via_gloo
+    @_profiled("nccl:all_gather", "all_gather", 1, 0)
     def allgather(self, output_lists, inputs, opts=None):
         for outs, t in zip(output_lists, inputs):
             elem = _flat(t)
@@ -741,12 +911,14 @@ class MirageProcessGroup(dist.ProcessGroup):
         return self._done(output_lists)
 
     @_cpu_via_gloo
+    @_profiled("nccl:_all_gather_base", "_allgather_base", 1, 0)
     def _allgather_base(self, output, input, opts=None):
         elem = _flat(input)
         self._run(s.CollOp.ALLGATHER, [elem], output.numel(), elem.dtype, _into(_flat(output)), device=_gpu(input))
         return self._done([output])
 
     @_cpu_via_gloo
+    @_profiled("nccl:_reduce_scatter_base", "_reduce_scatter_base", 1, 0)
     def _reduce_scatter_base(self, output, input, opts=None):
         elem = _flat(input)
         self._run(s.CollOp.REDUCE_SCATTER, [elem], output.numel(), elem.dtype, _into(_flat(output)),
@@ -754,6 +926,7 @@ class MirageProcessGroup(dist.ProcessGroup):
         return self._done([output])
 
     @_cpu_via_gloo
+    @_profiled("nccl:reduce", "reduce", 0)
     def reduce(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
         for t in tensors:
@@ -765,6 +938,7 @@ class MirageProcessGroup(dist.ProcessGroup):
         return self._done(tensors)
 
     @_cpu_via_gloo
+    @_profiled("nccl:gather", "gather", 1, 0)
     def gather(self, output_lists, inputs, opts=None):
         root = opts.rootRank if opts is not None else 0
         elem = _flat(inputs[0])
@@ -777,6 +951,7 @@ class MirageProcessGroup(dist.ProcessGroup):
         return self._done(output_lists)
 
     @_cpu_via_gloo
+    @_profiled("nccl:scatter", "scatter", 1, 0)
     def scatter(self, outputs, input_lists, opts=None):
         root = opts.rootRank if opts is not None else 0
         out = _flat(outputs[0])
@@ -790,6 +965,7 @@ class MirageProcessGroup(dist.ProcessGroup):
         return self._done(outputs)
 
     @_cpu_via_gloo
+    @_profiled("nccl:reduce_scatter", "reduce_scatter", 1, 0)
     def reduce_scatter(self, outputs, input_lists, opts=None):
         out = _flat(outputs[0])
         parts = [_flat(t) for t in input_lists[0]]
@@ -805,6 +981,7 @@ class MirageProcessGroup(dist.ProcessGroup):
         return self._done(outputs)
 
     @_cpu_via_gloo
+    @_profiled("nccl:all_to_all", "all_to_all", 1, 0)
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         src, dst = _flat(input), _flat(output)
         for t, sizes, what in ((src, input_split_sizes, "input"), (dst, output_split_sizes, "output")):
@@ -822,6 +999,7 @@ class MirageProcessGroup(dist.ProcessGroup):
     all_to_all_single = alltoall_base
 
     @_cpu_via_gloo
+    @_profiled("nccl:all_to_all", "all_to_all", 1, 0)
     def alltoall(self, outputs, inputs, opts=None):
         srcs = [_flat(t) for t in inputs]
         outs = [_flat(t) for t in outputs]
@@ -830,6 +1008,7 @@ class MirageProcessGroup(dist.ProcessGroup):
         return self._done(outputs)
 
     @_cpu_via_gloo
+    @_profiled("nccl:all_reduce_coalesced", "allreduce_coalesced", 0)
     def allreduce_coalesced(self, tensors, opts=None):
         # one flat all-reduce over the concatenation, as NCCL's grouped calls amount to
         elems = [_flat(t) for t in tensors]
@@ -840,6 +1019,7 @@ class MirageProcessGroup(dist.ProcessGroup):
     # the coalesced tensor forms (functional collectives, DTensor, FSDP2): one collective per pair,
     # in order, as NCCL's grouped calls amount to
     @_cpu_via_gloo
+    @_profiled("nccl:all_gather_into_tensor_coalesced", "allgather_into_tensor_coalesced", 1, 0)
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         for out, inp in zip(outputs, inputs):
             elem = _flat(inp)
@@ -847,6 +1027,7 @@ class MirageProcessGroup(dist.ProcessGroup):
         return self._done(outputs)
 
     @_cpu_via_gloo
+    @_profiled("nccl:reduce_scatter_tensor_coalesced", "reduce_scatter_tensor_coalesced", 1, 0)
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         red = _reduction(opts)
         for out, inp in zip(outputs, inputs):
@@ -880,9 +1061,11 @@ class MirageProcessGroup(dist.ProcessGroup):
         deliver = None if op is s.CollOp.SEND else _into(elem)
         return _P2PWork(self, req, arena, buf, deliver, _gpu(tensor), [tensor])
 
+    @_profiled("nccl:send {rank}->{peer}", "send", 0)
     def send(self, tensors, dstRank, tag=0):
         return self._p2p(s.CollOp.SEND, tensors[0], dstRank)
 
+    @_profiled("nccl:recv {rank}<-{peer}", "recv", 0)
     def recv(self, tensors, srcRank, tag=0):
         return self._p2p(s.CollOp.RECV, tensors[0], srcRank)
 
@@ -890,6 +1073,7 @@ class MirageProcessGroup(dist.ProcessGroup):
     all_gather_single = _allgather_base
     reduce_scatter_single = _reduce_scatter_base
 
+    @_profiled("nccl:all_reduce", "barrier", 1)
     def barrier(self, opts=None):
         self._run(s.CollOp.BARRIER, [], 0, torch.float32)
         return self._done([])
@@ -903,8 +1087,11 @@ class _P2PWork(dist.Work):
         self._pg, self._req, self._arena, self._buf = pg, req, arena, buf
         self._deliver, self._device, self._tensors = deliver, device, tensors
         self._done = False
+        self._profile = None  # the profiler's open event for this message (``_profiled``)
 
     def wait(self, timeout=None) -> bool:
+        if _native is not None and _profiler_enabled():
+            _record_wait(self._pg, None)
         if self._done:
             return True
         seconds = self._pg._timeout.total_seconds() if not timeout else timeout.total_seconds()
@@ -925,6 +1112,8 @@ class _P2PWork(dist.Work):
             if self._arena is not None:
                 self._arena.close()
                 self._arena.unlink()
+            if self._profile:
+                _end_profile(self)
         return True
 
     def is_completed(self) -> bool:
@@ -952,6 +1141,17 @@ def _transport(store: dist.Store, comm: str, rank: int, size: int, host: str) ->
     store.set(f"mirage_host/{comm}/{rank}", host)
     hosts = store.multi_get([f"mirage_host/{comm}/{r}" for r in range(size)])
     return "socket" if any(h.decode() != host for h in hosts) else "shm"
+
+
+def _start_stride(ranks: list[int]) -> tuple[int, int]:
+    """A group's first global rank and the stride between its ranks (-1: uneven), as ProcessGroupNCCL has them."""
+    if not ranks:  # the default group
+        return 0, 1
+    if len(ranks) == 1:
+        return ranks[0], 0
+    stride = ranks[1] - ranks[0]
+    even = all(b - a == stride for a, b in zip(ranks, ranks[1:]))
+    return ranks[0], stride if even else -1
 
 
 def _create(store, rank, size, timeout):
@@ -1031,6 +1231,66 @@ def _refuse_unused_parameters(init):
     return checked
 
 
+def _on_module_gpu(method):
+    """A ``DistributedDataParallel`` method run with C++ allocations on its module's emulated GPU.
+
+    DDP's C++ (its parameter check, the reducer's buckets, built at construction or unpickling and
+    rebuilt in ``forward``) allocates on its parameters' device, which C++ sees as the backend's one device
+    for every emulated GPU: without this it landed on the *current* GPU, so a program that moves
+    its model to ``cuda:1`` without ``set_device(1)`` (as PyTorch's own DDP tests do) had rank 1's
+    buckets on GPU 0 and NCCL's "Duplicate GPU detected".
+    """
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        # forward: self.module; __init__(module, ...); __setstate__(state): the pickled module
+        state = args[0] if args and isinstance(args[0], dict) else {}
+        modules = self.__dict__.get("_modules") or state.get("_modules") or {}
+        module = modules.get("module") or (args[0] if args else kwargs.get("module"))
+        first = next(module.parameters(), None) if isinstance(module, torch.nn.Module) else None
+        if not isinstance(first, MirageTensor):
+            return method(self, *args, **kwargs)
+        with dev.allocating_on(first._gpu):
+            return method(self, *args, **kwargs)
+
+    return run
+
+
+def _finalizing(destroy):
+    """``destroy_process_group`` completing the group's posted collectives first (all of them for the
+    world), as ``ncclCommFinalize`` does: nothing the daemon may still read is let go under it."""
+
+    @functools.wraps(destroy)
+    def destroy_process_group(group=None):
+        if group is None or group is dist.GroupMember.WORLD:
+            _drain()
+        elif group is not dist.GroupMember.NON_GROUP_MEMBER:
+            _drain(group.group_name)
+        return destroy(group)
+
+    return destroy_process_group
+
+
+def _set_pg_timeout(set_timeout):
+    """``_set_pg_timeout`` (torchtitan calls it after its first step) for our groups, which are their own backend.
+
+    torch's looks for a ``ProcessGroupNCCL`` behind the group, which a CPU
+    build does not have; the watchdog's deadline here is the group's timeout.
+    """
+
+    @functools.wraps(set_timeout)
+    def setter(timeout, group=None):
+        pg = c10d._get_default_group() if group is None else group
+        if not isinstance(pg, MirageProcessGroup):
+            return set_timeout(timeout, group)
+        pg._timeout = timeout
+        if pg._cpu is not None:
+            pg._cpu._set_default_timeout(timeout)
+        return None
+
+    return setter
+
+
 def install() -> None:
     """Register the backend and route ``"nccl"`` to it, keeping the name ``"nccl"`` visible."""
     dist.Backend.register_backend(NAME, _create, devices=["cuda", NAME])
@@ -1044,7 +1304,11 @@ def install() -> None:
         if ours in (NAME, NAME_WITH_GLOO):
             asked.append("nccl" if ours == NAME else str(backend))
             kwargs["device_id"] = None  # eager init needs a C++ backend per device; ours connects lazily
-        return helper(group_size, group_rank, global_ranks_in_group, ours, *args, **kwargs)
+        _creating_ranks[:] = global_ranks_in_group or []
+        try:
+            return helper(group_size, group_rank, global_ranks_in_group, ours, *args, **kwargs)
+        finally:
+            _creating_ranks.clear()
 
     def register_pg_in_world(pg, *args, backend_name=None, backend_config=None, **kwargs):
         if str(backend_name) in (NAME, NAME_WITH_GLOO):
@@ -1059,10 +1323,16 @@ def install() -> None:
         return register(pg, *args, backend_name=backend_name, backend_config=backend_config, **kwargs)
 
     c10d.split_group = dist.split_group = _split_group(c10d.split_group)
+    ddp = torch.nn.parallel.DistributedDataParallel
+    ddp.__init__ = _on_module_gpu(ddp.__init__)
+    ddp.forward = _on_module_gpu(ddp.forward)
+    ddp.__setstate__ = _on_module_gpu(ddp.__setstate__)  # a pickled DDP builds its reducer again
     if pinned.NATIVE_ERROR is not None:
-        ddp = torch.nn.parallel.DistributedDataParallel
         ddp.__init__ = _refuse_unused_parameters(ddp.__init__)
     c10d._new_process_group_helper = new_process_group_helper
+    c10d.destroy_process_group = dist.destroy_process_group = _finalizing(c10d.destroy_process_group)
+    c10d._set_pg_timeout = _set_pg_timeout(c10d._set_pg_timeout)
+    _load_native()
     c10d._register_pg_in_world = register_pg_in_world
     c10d._NCCL_AVAILABLE = True
     # ProcessGroupNCCL's default timeout (10 minutes), which a CPU build leaves unset

@@ -471,8 +471,49 @@ def _install_memory() -> None:
     m.list_gpu_processes = SMI.list_gpu_processes
 
 
+class _Roctx(threading.local):
+    """``torch.cuda.nvtx``'s library as on a ROCm build (roctx): ranges go to a tracer, none listens here.
+
+    DeepSpeed's accelerator pushes and pops a range around every step; the CPU
+    build's stub raises "NVTX functions not installed". Depths and range ids
+    are returned as roctx returns them.
+    """
+
+    depth = 0
+    next_id = 0
+
+    def rangePushA(self, msg: str) -> int:  # noqa: N802 - torch's names
+        self.depth += 1
+        return self.depth - 1
+
+    def rangePop(self) -> int:  # noqa: N802
+        if self.depth == 0:
+            return -1  # roctx's answer for a pop with nothing pushed
+        self.depth -= 1
+        return self.depth
+
+    def markA(self, msg: str) -> None:  # noqa: N802
+        pass
+
+    def rangeStartA(self, msg: str) -> int:  # noqa: N802
+        self.next_id += 1
+        return self.next_id
+
+    def rangeEnd(self, range_id: int) -> None:  # noqa: N802
+        pass
+
+    def deviceRangeStart(self, msg: str, stream: int = 0) -> int:  # noqa: N802
+        return self.rangeStartA(msg)
+
+    def deviceRangeEnd(self, range_handle, stream: int = 0) -> None:  # noqa: N802
+        pass
+
+
 def install() -> None:
     """Replace the CPU build's ``torch.cuda`` answers with the emulated GPUs'."""
+    import torch.cuda.nvtx
+
+    torch.cuda.nvtx._nvtx = _Roctx()
     c = torch.cuda
     count = dev.STATE.count
     replacements = {

@@ -158,7 +158,7 @@ class PeerRings:
         self.heads: dict[int, bytes] = {}  # by ring index: the header this rank posted there
         self._rings: list[_Ring | None] = [None] * size
         self._rings[rank] = self._create()
-        _OWNED.append((os.getpid(), self._rings[rank].path))
+        _OWNED.append((os.getpid(), self._rings[rank].path, self))
 
     def _create(self) -> _Ring:
         # written under a temporary name and renamed: a peer never maps a file not yet its full size
@@ -274,21 +274,36 @@ class PeerRings:
         slot = (index - 1) % SLOTS
         return [self._rings[r].data(slot, nbytes) for r in range(self.size)]
 
+    def peers_done(self) -> bool:
+        """Whether every peer has finished every collective this rank posted (read its inputs from this ring)."""
+        if not self.posted:
+            return True
+        for r in range(self.size):
+            ring = self._ring(r)
+            if ring is None or not _reached(ring.done, self.posted):
+                return False
+        return True
+
     def finish(self, index: int) -> None:
         """Mark ``index`` done by this rank: its slot may be written again once every rank has."""
         self.heads.pop(index, None)
         self._rings[self.rank].counters[1] = index & 0xFFFFFFFF
 
 
-#: Ring files made here (by which process), removed at exit (the session removes them if it is killed).
-_OWNED: list[tuple[int, str]] = []
+#: Ring files made here (by which process, for which rings), removed at exit (the session removes
+#: them if it is killed).
+_OWNED: list[tuple[int, str, PeerRings]] = []
 
 
 @atexit.register
 def _unlink_owned() -> None:
-    for pid, path in _OWNED:
+    for pid, path, rings in _OWNED:
         if pid != os.getpid():
             continue  # a forked child's exit: its parent still uses them
+        if not rings.peers_done():
+            # a peer has yet to read this rank's last inputs (it maps a ring when it first looks at
+            # it, maybe after this process is gone): the file stays, and the session removes it
+            continue
         try:
             os.unlink(path)
         except FileNotFoundError:

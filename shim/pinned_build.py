@@ -1,8 +1,9 @@
 """Build ``shim/pinned_host.cpp``, the pinned host allocator ``shim/pinned.py`` loads.
 
 The same way, ``build(source)`` builds the shim's other C++ (``SOURCES``: the
-backend's device guard, ``shim/device_guard.cpp``, and the kernels of
-``shim/fast_dispatch.cpp``). Each is one C++ file against torch's headers,
+backend's device guard, ``shim/device_guard.cpp``, the kernels of
+``shim/fast_dispatch.cpp``, and ``shim/comms_native.cpp``, the collectives'
+profiler events and DDP's timer). Each is one C++ file against torch's headers,
 linked to ``libc10``/``libtorch_cpu``: the first two without Python or
 pybind11 compile in about 1.5 s; the third, which also needs Python's
 headers and ``libtorch_python``, in about 15 s. The library is cached in
@@ -44,7 +45,9 @@ GUARD_SOURCE = Path(__file__).with_name("device_guard.cpp")
 #: ops' kernels for the Python dispatch key (loaded by ``shim/fast_dispatch.py``); unlike the two
 #: above it calls into Python, so it needs Python's headers and libtorch_python
 FAST_DISPATCH_SOURCE = Path(__file__).with_name("fast_dispatch.cpp")
-SOURCES = (SOURCE, GUARD_SOURCE, FAST_DISPATCH_SOURCE)
+#: the collectives' profiler events and DDP's timer (shim/backend.py)
+COMMS_SOURCE = Path(__file__).with_name("comms_native.cpp")
+SOURCES = (SOURCE, GUARD_SOURCE, FAST_DISPATCH_SOURCE, COMMS_SOURCE)
 
 
 class BuildError(RuntimeError):

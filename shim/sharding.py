@@ -14,6 +14,9 @@
   lacks (``copy_``, so ``uniform_``'s decomposition and every ``nn.init``
   function: "PyTorch is not linked with support for cuda devices"), so they are
   made on the backend device instead, which is what an emulated GPU is in C++.
+- FSDP1 turns ``device_id=<int>`` (Lightning passes one) into ``torch.device(i)``,
+  which names the accelerator's type: the backend's, where a GPU build's is
+  ``cuda``; it is made ``cuda:i`` again.
 
 Each module is patched when it is first imported (FSDP2 costs half a second
 to import, which a rank that never uses it should not pay).
@@ -69,7 +72,34 @@ def _patch_op_schema(module) -> None:
     module._rebuild_tensor_from_dtensor_meta = on_backend
 
 
+def _patch_fsdp1_init(module) -> None:
+    """FSDP1's ``device_id=<int>`` is ``torch.device(i)``, the accelerator's type: ``mirage:i`` here, ``cuda:i`` on a GPU."""
+    device_of = module._get_device_from_device_id
+
+    @functools.wraps(device_of)
+    def as_cuda(device_id, rank, device_handle):
+        device = device_of(device_id, rank, device_handle)
+        if device is not None and device.type == BACKEND_DEVICE.type:
+            return torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+        return device
+
+    module._get_device_from_device_id = as_cuda
+
+
+def _patch_fsdp1_handle(module) -> None:
+    """FSDP1's device handle for a ``mirage:i`` device (an ``int`` device_id, or a module's own) is ``torch.cuda``."""
+    handle = module._FSDPDeviceHandle
+    from_device = handle.from_device.__func__
+
+    def cuda_for_backend(cls, device):
+        return torch.cuda if device.type == BACKEND_DEVICE.type else from_device(cls, device)
+
+    handle.from_device = classmethod(cuda_for_backend)
+
+
 _PATCHES = {
+    "torch.distributed.fsdp._common_utils": _patch_fsdp1_handle,
+    "torch.distributed.fsdp._init_utils": _patch_fsdp1_init,
     "torch.distributed.fsdp._fully_shard._fsdp_param": _patch_fsdp_param,
     "torch.distributed.tensor._api": _patch_dtensor,
     "torch.distributed.tensor._op_schema": _patch_op_schema,

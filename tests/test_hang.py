@@ -217,3 +217,12 @@ def test_a_stack_request_reaching_a_rank_at_shutdown_does_not_kill_it(tmp_path):
                        text=True, timeout=60)
     assert r.returncode == 0 and r.stdout == "survived\n", (r.returncode, r.stdout, r.stderr)
     assert "File " in (tmp_path / "ranks" / "rank-0.stacks").read_text()
+
+
+def test_set_pg_timeout_shortens_the_watchdog(tmp_path):
+    """``_set_pg_timeout`` (torchtitan calls it after step 1) raised ``No backend type associated with device
+    type cuda``; now rank 0 times out after the 2 s it set, in NCCL's words, while rank 1 sleeps 6 s."""
+    r = mirage_run(tmp_path, "--gpus-per-node", "2", "--on-hang", "wait", "--hang-timeout", "30", "--",
+                   "torchrun", "--standalone", "--nproc_per_node=2", str(FIXTURES / "pg_timeout.py"))
+    assert "[0] timeout after 2 s: [Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=2, " \
+           "OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=2000)" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
