@@ -3,8 +3,10 @@
 #   VENV=DIR        where the venv lives (default: .venv at the repository root)
 #   SKIP_INSTALL=1  use the venv as it is; install nothing
 #
-# Installs run only when pyproject.toml changed since the last install (a stamp
-# in the venv holds its sha256), so sourcing again is fast. Safe under the
+# Installs the test and frameworks extras (tests/frameworks/ needs the latter),
+# with tests/constraints.txt so that pip never replaces torch. Installs run only
+# when pyproject.toml or tests/constraints.txt changed since the last install (a stamp
+# in the venv holds their sha256), so sourcing again is fast. Safe under the
 # caller's `set -euo pipefail`; it changes no shell options.
 
 _mirage_setup_venv() {
@@ -31,14 +33,18 @@ _mirage_setup_venv() {
     if [[ ${SKIP_INSTALL:-0} != 1 ]]; then
         stamp=$venv/.mirage-installed
         want=$("$venv/bin/python" -c \
-            'import hashlib, sys; print(hashlib.sha256(open(sys.argv[1], "rb").read()).hexdigest())' \
-            "$root/pyproject.toml") || return 1
+            'import hashlib, sys; print(hashlib.sha256(b"".join(open(f, "rb").read() for f in sys.argv[1:])).hexdigest())' \
+            "$root/pyproject.toml" "$root/tests/constraints.txt") || return 1
         if [[ ! -f $stamp || $(<"$stamp") != "$want" ]]; then
             echo "setup_venv: installing into $venv" >&2
             # torch first and pinned exactly: left to the resolver, another
-            # version could be picked, which means gigabytes of download.
-            "$venv/bin/pip" install -q torch==2.13.0 || return 1
-            (cd "$root" && "$venv/bin/pip" install -q -e ".[test]") || return 1
+            # version could be picked, which means gigabytes of download. The
+            # constraints file keeps it so while the frameworks' requirements
+            # are resolved (none may replace it).
+            "$venv/bin/pip" install -q -c "$root/tests/constraints.txt" torch==2.13.0 || return 1
+            # DS_BUILD_OPS=0: DeepSpeed installs without compiling its CUDA ops.
+            (cd "$root" && DS_BUILD_OPS=0 "$venv/bin/pip" install -q -c tests/constraints.txt -e ".[test,frameworks]") ||
+                return 1
             printf '%s\n' "$want" >"$stamp" || return 1
         fi
         # the shim's C++ (shim/pinned_build.py: the pinned host allocator and the device guard, ~2 s

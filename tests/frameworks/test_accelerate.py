@@ -1,0 +1,46 @@
+"""Hugging Face Accelerate under mirage: `accelerate launch --multi_gpu`, and Accelerate's own test script."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.frameworks.fwrun import FW, assert_same_training, framework_env, mirage_in, on_cpu, under_mirage
+from tests.test_run import REPO_ROOT
+
+pytestmark = [pytest.mark.frameworks, pytest.mark.slow, pytest.mark.usefixtures("no_orphans")]
+
+accelerate = pytest.importorskip("accelerate")
+LAUNCH = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+          "--mixed_precision", "no", "--dynamo_backend", "no"]
+
+
+def test_accelerate_launch_multi_gpu_matches_gloo(tmp_path):
+    gpu = under_mirage(tmp_path, *LAUNCH, str(FW / "accelerate_train.py"), steps=4)
+    # Accelerate's launcher has no multi-process CPU mode without MPI; torchrun with
+    # ACCELERATE_USE_CPU=1 gives its MULTI_CPU (gloo) path.
+    cpu = on_cpu("torchrun", "--standalone", "--nproc_per_node=2", str(FW / "accelerate_train.py"),
+                 steps=4, extra_env={"ACCELERATE_USE_CPU": "1"})
+    assert_same_training(gpu, cpu)
+
+
+_SECTION = re.compile(r"^(?:\[\d+\] )?(\*\*[^*]+\*\*)$", re.M)
+
+
+def test_accelerates_own_test_script_passes_every_section(tmp_path):
+    """accelerate/test_utils/scripts/test_script.py: every section it runs on CPU + gloo, then exit 0."""
+    script = str(Path(accelerate.__file__).parent / "test_utils" / "scripts" / "test_script.py")
+    r = mirage_in(REPO_ROOT, tmp_path, 2, *LAUNCH, script)
+    assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-5000:]
+    env = framework_env()
+    env["ACCELERATE_USE_CPU"] = "1"
+    c = subprocess.run(["torchrun", "--standalone", "--nproc_per_node=2", script], cwd=REPO_ROOT, env=env,
+                       capture_output=True, text=True, timeout=280)
+    assert c.returncode == 0, c.stdout[-5000:] + c.stderr[-5000:]
+    cpu_sections = set(_SECTION.findall(c.stdout))
+    assert "**Training integration test**" in cpu_sections, c.stdout[-3000:]
+    # on GPUs the script runs more sections (e.g. the CUDA-only ones); none of the CPU's may be missing
+    assert cpu_sections <= set(_SECTION.findall(r.stdout)), r.stdout[-5000:]
