@@ -1278,10 +1278,19 @@ def _set_pg_timeout(set_timeout):
     build does not have; the watchdog's deadline here is the group's timeout.
     """
 
+    def ours(group) -> MirageProcessGroup | None:
+        if isinstance(group, MirageProcessGroup):
+            return group
+        try:  # a group made by split_group / a device mesh holds ours as its cuda backend
+            backend = group._get_backend(torch.device("cuda"))
+        except RuntimeError:
+            return None
+        return backend if isinstance(backend, MirageProcessGroup) else None
+
     @functools.wraps(set_timeout)
     def setter(timeout, group=None):
-        pg = c10d._get_default_group() if group is None else group
-        if not isinstance(pg, MirageProcessGroup):
+        pg = ours(c10d._get_default_group() if group is None else group)
+        if pg is None:
             return set_timeout(timeout, group)
         pg._timeout = timeout
         if pg._cpu is not None:
@@ -1289,6 +1298,15 @@ def _set_pg_timeout(set_timeout):
         return None
 
     return setter
+
+
+class _NoProcessGroupNCCL:
+    """Stands for ``ProcessGroupNCCL``, which a CPU build lacks while ``is_nccl_available()`` is True here.
+
+    c10d tests ``is_nccl_available() and isinstance(backend, ProcessGroupNCCL)``
+    (``_set_pg_timeout`` on a device mesh's groups): no group is one, as for a
+    group of another backend on a GPU build; ours are handled where c10d calls them.
+    """
 
 
 def install() -> None:
@@ -1332,6 +1350,8 @@ def install() -> None:
     c10d._new_process_group_helper = new_process_group_helper
     c10d.destroy_process_group = dist.destroy_process_group = _finalizing(c10d.destroy_process_group)
     c10d._set_pg_timeout = _set_pg_timeout(c10d._set_pg_timeout)
+    if not hasattr(c10d, "ProcessGroupNCCL"):
+        c10d.ProcessGroupNCCL = _NoProcessGroupNCCL
     _load_native()
     c10d._register_pg_in_world = register_pg_in_world
     c10d._NCCL_AVAILABLE = True
