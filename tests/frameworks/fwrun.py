@@ -65,14 +65,16 @@ def mirage_in(cwd: Path, log_dir: Path, gpus: int, *command: str, steps: int | N
          *command], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def on_cpu(*command: str, steps: int, extra_env: dict[str, str] | None = None, timeout: float = 280) -> dict:
+def on_cpu(*command: str, steps: int | None = None, extra_env: dict[str, str] | None = None,
+           timeout: float = 280) -> dict:
     """Run COMMAND plainly (no mirage: CPU tensors, gloo); it must exit 0. Returns its RESULT.
 
     Tried twice: this is the reference, not what is under test, and plain torch on the CPU
     sometimes aborts at exit after a finished run ("terminate called without an active exception").
     """
     env = framework_env()
-    env["STEPS"] = str(steps)
+    if steps is not None:
+        env["STEPS"] = str(steps)
     env.update(extra_env or {})
     outs = []
     for _ in range(2):

@@ -3,32 +3,21 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 
 import pytest
 
 from test_run import REPO_ROOT, mirage_run
+from tests.frameworks.fwrun import on_cpu, result
 
 pytest.importorskip("lightning")
 pytestmark = [pytest.mark.frameworks, pytest.mark.usefixtures("no_orphans")]
 SCRIPT = REPO_ROOT / "tests" / "fixtures" / "frameworks" / "lightning_train.py"
 
 
-def _result(stdout: str) -> dict:
-    (line,) = [x for x in stdout.splitlines() if "RESULT " in x]
-    return json.loads(line.split("RESULT ", 1)[1])
-
-
 def _on_cpu(strategy: str) -> dict:
     """The workload on CPU + gloo, without mirage (Lightning starts its own second process there too)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MIRAGE_")}
-    r = subprocess.run([sys.executable, str(SCRIPT), "cpu", strategy], cwd=REPO_ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
-    return _result(r.stdout)
+    return on_cpu(sys.executable, str(SCRIPT), "cpu", strategy, timeout=300)
 
 
 def test_lightning_ddp_on_two_gpus_matches_cpu_gloo(tmp_path):
@@ -36,7 +25,7 @@ def test_lightning_ddp_on_two_gpus_matches_cpu_gloo(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "[0] [rank 0] trained on cuda:0 with nccl" in r.stdout
     assert "[1] [rank 1] trained on cuda:1 with nccl" in r.stdout  # the rank Lightning started, named as itself
-    gpu = _result(r.stdout)
+    gpu = result(r.stdout)
     assert gpu["device"] == "cuda:0" and gpu["world"] == 2 and gpu["final"] < gpu["first"]
     cpu = _on_cpu("ddp")
     assert gpu["first"] == cpu["first"]
@@ -48,6 +37,6 @@ def test_lightning_fsdp_on_two_gpus_matches_cpu_gloo(tmp_path):
     r = mirage_run(tmp_path, "--gpus-per-node", "2", "--", "python", str(SCRIPT), "gpu", "fsdp", timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "[1] [rank 1] trained on cuda:1 with nccl" in r.stdout
-    gpu = _result(r.stdout)
+    gpu = result(r.stdout)
     cpu = _on_cpu("ddp")  # Lightning's FSDP refuses the CPU; full sharding with SGD computes what DDP does
     assert gpu["final"] == pytest.approx(cpu["final"], rel=1e-4)
