@@ -1278,19 +1278,10 @@ def _set_pg_timeout(set_timeout):
     build does not have; the watchdog's deadline here is the group's timeout.
     """
 
-    def ours(group) -> MirageProcessGroup | None:
-        if isinstance(group, MirageProcessGroup):
-            return group
-        try:  # a group made by split_group / a device mesh holds ours as its cuda backend
-            backend = group._get_backend(torch.device("cuda"))
-        except RuntimeError:
-            return None
-        return backend if isinstance(backend, MirageProcessGroup) else None
-
     @functools.wraps(set_timeout)
     def setter(timeout, group=None):
-        pg = ours(c10d._get_default_group() if group is None else group)
-        if pg is None:
+        pg = c10d._get_default_group() if group is None else group
+        if not isinstance(pg, MirageProcessGroup):  # another backend's (a device mesh's gloo or fake group)
             return set_timeout(timeout, group)
         pg._timeout = timeout
         if pg._cpu is not None:
