@@ -1,8 +1,11 @@
 """The emulator daemon: one per session, owner of the emulated GPUs' collectives.
 
-Single-threaded on purpose: one loop polls the ROUTER socket, feeds requests to
-the ledger, and between polls runs one wave of the scheduler. No locks, and the
-order in which things happen is the order events are published.
+Single-threaded on purpose: one loop polls the ZeroMQ ROUTER socket and the fast
+socket (:mod:`emulator.fast_socket`), feeds each request (:meth:`Daemon.handle`)
+to the ledger, and between polls runs one wave of the scheduler
+(:meth:`Daemon.run_wave`), whose finished jobs become replies and events
+(:meth:`Daemon.finish`). No locks, and the order in which things happen is the
+order events are published.
 
 Sockets are ``ipc://`` files in the session's 0700 run directory; every request
 must carry the session token; anything malformed gets an ``Error`` reply and a
@@ -11,26 +14,24 @@ must carry the session token; anything malformed gets an ``Error`` reply and a
 
 from __future__ import annotations
 
-import errno
 import hmac
-import itertools
 import os
 import resource
 import signal
-import socket
 import sys
 import time
 import traceback
-from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
 import zmq
 
 from emulator import schema as s
-from emulator.arena import Arena, ArenaError, check_name, session_segments
+from emulator.arena import Arena, ArenaError, check_name
 from emulator.buffers import RankBuffers
+from emulator.fast_socket import FastSocketServer, is_fast
 from emulator.hang import HangDetector
+from emulator.lifetime import alive, die_with_parent, orphaned, stop_orphans
 from emulator.kernels import DTYPES, KernelError, Segmented, itemsize
 from emulator.ledger import CommError, Communicator, Ledger, Posted, Worlds
 from emulator.scheduler import Job, WaveScheduler, input_elements, make_job, make_p2p_job
@@ -57,18 +58,6 @@ _MEMORY_FIELDS = ("rank", "node", "device", "allocated", "reserved", "peak", "to
 #: (the socket transport) may be this big.
 MAX_FRAME_BYTES = s.MAX_DATA_FRAME_BYTES
 ONE_FRAME = "malformed request: expected one frame (data frames follow only a socket-transport collective)"
-#: How a fast-socket connection is named where a ZeroMQ client's routing id would be: ZeroMQ's own
-#: ids are 5 bytes starting with a zero byte and it refuses ids that a client sets starting with
-#: one, so these (longer) names cannot collide with a ZeroMQ client's.
-FAST_CLIENT = b"\x00fast:"
-#: What the daemon's side of a fast connection may hold unsent (a reply larger than this is refused).
-FAST_SNDBUF = 1 << 20
-#: The poller's and recvmsg's flags as plain ints: ``int & zmq.POLLIN`` goes through
-#: ``enum.Flag.__and__`` in Python, and these are tested on every request.
-_POLLIN, _POLLOUT, _MSG_CTRUNC = int(zmq.POLLIN), int(zmq.POLLOUT), int(socket.MSG_CTRUNC)
-#: Room for the file descriptors one fast message may carry (RegisterBuffer sends one; a few more
-#: are read only to be closed).
-FAST_MAX_FDS = 4
 
 
 def endpoints(run_dir: str) -> tuple[str, str]:
@@ -101,29 +90,13 @@ class Daemon:
         self.pub.setsockopt(zmq.SNDHWM, 0)  # events are never dropped for a slow session
         self.pub.setsockopt(zmq.LINGER, 2000)
         self.pub.bind(events)
-        # the fast socket (schema.FAST_SOCKET): ranks' requests without data frames, one datagram each
-        fast_path = os.path.join(run_dir, s.FAST_SOCKET)
-        if os.path.exists(fast_path):  # a previous daemon of this run directory left it
-            os.unlink(fast_path)
-        self.fast = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.fast.bind(fast_path)
-        self.fast.listen(256)
-        self.fast.setblocking(False)
-        self.fast_path = fast_path
-        self.fast_conns: dict[bytes, socket.socket] = {}  # FAST_CLIENT name -> connection
-        self.fast_names: dict[socket.socket, bytes] = {}
-        self.fast_by_fd: dict[int, socket.socket] = {}  # the poller answers with file descriptors
-        self.fast_backlog: dict[bytes, deque[bytes]] = {}  # replies waiting for room, in order
-        self._fast_ids = itertools.count(1)  # names are never reused: a new process never gets old replies
-        self._fast_buf = bytearray(s.FAST_MAX_MESSAGE_BYTES + 1)  # +1: a longer request shows as too long
-        self._fast_anc = socket.CMSG_SPACE(FAST_MAX_FDS * 4)
-        # descriptors that came with the fast request being handled (a RegisterBuffer takes them);
-        # read_fast closes them after handle(), whoever used them
-        self._fds: list[int] = []
         self.buffers = RankBuffers()  # tensors ranks registered, mapped (zero-copy collectives)
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
-        self.poller.register(self.fast, zmq.POLLIN)
+        # ranks' requests without data frames, one datagram each (see emulator/fast_socket.py)
+        self.fast = FastSocketServer(run_dir, self.poller, on_request=self.handle,
+                                     on_refuse=lambda client, why: self.refuse(client, 0, why),
+                                     on_drop=self.buffers.drop)  # a rank's buffers never outlive its connection
         self.ledger = Ledger()
         self.worlds = Worlds()  # init_process_group calls waiting for their peers
         self.scheduler = WaveScheduler()
@@ -200,8 +173,8 @@ class Daemon:
 
     def reply(self, client: bytes, msg: s.Reply, data: np.ndarray | None = None) -> None:
         """Send ``msg`` to ``client``; ``data`` (a socket-transport output) follows as one frame, not copied."""
-        if client.startswith(FAST_CLIENT):
-            return self.reply_fast(client, msg)  # never with data: socket-transport requests use ZeroMQ
+        if is_fast(client):
+            return self.fast.reply(client, msg)  # never with data: socket-transport requests use ZeroMQ
         try:
             if data is None:
                 self.router.send_multipart([client, s.encode(msg)], zmq.NOBLOCK)
@@ -211,100 +184,6 @@ class Daemon:
                 self.router.send_multipart([client, s.encode(msg), data], zmq.NOBLOCK, copy=False)
         except zmq.ZMQError:
             pass  # the client is gone; its rank will be reported dead by the session
-
-    def reply_fast(self, client: bytes, msg: s.Reply) -> None:
-        """Send ``msg`` on a fast connection; behind earlier replies if those are still waiting for room."""
-        conn = self.fast_conns.get(client)
-        if conn is None:
-            return  # the rank is gone; the session reports it
-        data = s.encode(msg)
-        backlog = self.fast_backlog.get(client)
-        if backlog is not None:
-            backlog.append(data)
-            return
-        try:
-            conn.send(data)
-        except BlockingIOError:  # the rank is not reading (busy in its own code): keep it for POLLOUT
-            self.fast_backlog[client] = deque([data])
-            self.poller.modify(conn, zmq.POLLIN | zmq.POLLOUT)
-        except OSError as e:
-            if e.errno == errno.EMSGSIZE:  # still answered: the rank must not wait forever
-                conn.send(s.encode(s.Error(req=msg.req, code="ncclInternalError",
-                                           message=f"daemon reply of {len(data)} bytes too large for the fast socket")))
-            # else the connection is gone; its rank will be reported dead by the session
-
-    def accept_fast(self) -> None:
-        """Take new connections on the fast socket."""
-        while True:
-            try:
-                conn, _ = self.fast.accept()
-            except BlockingIOError:
-                return
-            conn.setblocking(False)
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, FAST_SNDBUF)
-            name = FAST_CLIENT + str(next(self._fast_ids)).encode()
-            self.fast_conns[name] = conn
-            self.fast_names[conn] = name
-            self.fast_by_fd[conn.fileno()] = conn
-            self.poller.register(conn, zmq.POLLIN)
-
-    def read_fast(self, conn: socket.socket) -> None:
-        """Answer the requests waiting on one fast connection (bounded, so waves keep running)."""
-        name = self.fast_names[conn]
-        for _ in range(256):
-            try:
-                # recvmsg: a RegisterBuffer carries its storage's descriptor (SCM_RIGHTS); CLOEXEC so
-                # that none leaks into a child, however briefly we hold it
-                n, anc, flags, _ = conn.recvmsg_into([self._fast_buf], self._fast_anc, socket.MSG_CMSG_CLOEXEC)
-            except BlockingIOError:
-                return
-            except OSError:
-                n, anc, flags = 0, [], 0
-            fds = _fds_of(anc)
-            try:
-                if n == 0:  # the rank closed it (exited)
-                    return self.drop_fast(conn)
-                if n > s.FAST_MAX_MESSAGE_BYTES:
-                    self.refuse(name, 0, f"malformed request: longer than {s.FAST_MAX_MESSAGE_BYTES} bytes")
-                    continue
-                if flags & _MSG_CTRUNC:
-                    self.refuse(name, 0, f"malformed request: more than {FAST_MAX_FDS} file descriptors")
-                    continue
-                data = bytes(memoryview(self._fast_buf)[:n])
-                if b"\n" in data:  # several requests (a rank's deferred ones), a line each; never with fds
-                    for line in data.split(b"\n"):
-                        self.handle(name, line)
-                    continue
-                self._fds = fds
-                self.handle(name, data)
-            finally:
-                self._fds = []
-                for fd in fds:  # taken or not, the daemon keeps none (a mapping outlives its descriptor)
-                    os.close(fd)
-
-    def flush_fast(self, conn: socket.socket) -> None:
-        """Send a fast connection's waiting replies, as far as there is room."""
-        name = self.fast_names[conn]
-        backlog = self.fast_backlog[name]
-        while backlog:
-            try:
-                conn.send(backlog[0])
-            except BlockingIOError:
-                return
-            except OSError:
-                break
-            backlog.popleft()
-        del self.fast_backlog[name]
-        self.poller.modify(conn, zmq.POLLIN)
-
-    def drop_fast(self, conn: socket.socket) -> None:
-        self.poller.unregister(conn)
-        name = self.fast_names.pop(conn)
-        self.buffers.drop(name)  # a rank's buffers never outlive its connection
-        del self.fast_by_fd[conn.fileno()]
-        self.fast_conns.pop(name, None)
-        self.fast_backlog.pop(name, None)
-        conn.close()
 
     def payload_of(self, p: Posted) -> np.ndarray | Segmented | None:
         """The bytes a socket-transport rank sent with its request (taken: each is consumed once)."""
@@ -323,21 +202,22 @@ class Daemon:
 
     # ------------------------------------------------------------ requests
 
-    def handle(self, client: bytes, data: bytes, frames: Sequence[zmq.Frame] = ()) -> None:
-        """Answer one request; ``frames`` are the data frames after it (socket-transport collectives only)."""
+    def handle(self, client: bytes, data: bytes, fds: Sequence[int] = (), frames: Sequence[zmq.Frame] = ()) -> None:
+        """Answer one request; ``fds`` came with it (fast socket), ``frames`` after it (socket-transport
+        collectives, over ZeroMQ)."""
         try:
             msg = s.decode(data)
         except s.SchemaError as e:
             return self.refuse(client, 0, ONE_FRAME if frames else f"malformed request: {e}")
-        socket = isinstance(msg, s.Collective) and msg.transport is s.Transport.SOCKET
-        if frames and not socket:
+        with_frames = isinstance(msg, s.Collective) and msg.transport is s.Transport.SOCKET
+        if frames and not with_frames:
             return self.refuse(client, msg.req if isinstance(msg, s.Request) else 0, ONE_FRAME)
         if not isinstance(msg, s.Request):
             return self.refuse(client, 0, f"{msg.TYPE!r} is not a request")
         # surrogatepass: JSON may carry a lone surrogate ("\ud800"), which strict utf-8 refuses
         if not hmac.compare_digest(msg.token.encode("utf-8", "surrogatepass"), self._token_bytes):
             return self.refuse(client, msg.req, "unauthorized: wrong or missing session token")
-        why, payload = _payload(frames) if socket else ("", None)
+        why, payload = _payload(frames) if with_frames else ("", None)
         if why:
             return self.refuse(client, msg.req, f"malformed request: {why}")
         try:
@@ -357,7 +237,7 @@ class Daemon:
             elif isinstance(msg, s.WorldFormation):
                 if not 1 <= msg.size <= MAX_COMM_SIZE or not 0 <= msg.rank < msg.size:
                     raise CommError("ncclInvalidArgument", f"rank {msg.rank} outside a world of size {msg.size}")
-                self.worlds.record(msg, _alive)
+                self.worlds.record(msg, alive)
                 self.reply(client, s.Ok(req=msg.req))
                 self.publish(s.WorldStage(world=msg.world, rank=msg.rank, size=msg.size, site=msg.site,
                                           phase=msg.phase))
@@ -375,7 +255,7 @@ class Daemon:
                     )
                 )
             elif isinstance(msg, s.RegisterBuffer):
-                self.buffers.register(client, msg.buf, msg.nbytes, self._fds)
+                self.buffers.register(client, msg.buf, msg.nbytes, list(fds))
                 self.reply(client, s.Ok(req=msg.req))
             elif isinstance(msg, s.ReleaseBuffers):
                 self.buffers.release(client, msg.bufs)
@@ -492,7 +372,7 @@ class Daemon:
     def check_peers(self) -> None:
         """Notice ranks whose process is gone, and fail the collectives waiting on them."""
         for rank, pid in list(self.rank_pids.items()):
-            if not _alive(pid):
+            if not alive(pid):
                 del self.rank_pids[rank]
                 self.dead[rank] = f"rank {rank} (pid {pid}) exited"
                 self.publish(s.RankGone(rank=rank, pid=pid))
@@ -582,13 +462,8 @@ class Daemon:
                 wait_s = PEER_CHECK_INTERVAL_S
             ready = dict(self.poller.poll(wait_s * 1000))
             for sock, flags in ready.items():
-                if sock == self.fast.fileno():
-                    self.accept_fast()
-                elif (conn := self.fast_by_fd.get(sock)) is not None:
-                    if flags & _POLLOUT:
-                        self.flush_fast(conn)
-                    if flags & _POLLIN and conn in self.fast_names:  # (flush_fast may have dropped it)
-                        self.read_fast(conn)
+                if sock is not self.router:
+                    self.fast.ready(sock, flags)
             if self.router in ready:
                 for _ in range(256):  # bounded, so waves keep running under load
                     try:
@@ -602,7 +477,7 @@ class Daemon:
                     data = []  # a socket-transport collective's bytes: kept as ZeroMQ received them, not copied
                     while self.router.get(zmq.RCVMORE):
                         data.append(self.router.recv(copy=False))
-                    self.handle(client, request, data)
+                    self.handle(client, request, frames=data)
             if self.scheduler.busy:
                 self.run_wave()
             now = time.monotonic()
@@ -616,46 +491,22 @@ class Daemon:
                 )
                 for finding in self.hangs.scan(self.ledger, now, busy):
                     self.publish(finding)
-                for finding in self.hangs.scan_worlds(self.worlds, _alive, now):
+                for finding in self.hangs.scan_worlds(self.worlds, alive, now):
                     self.publish(finding)
             self.flush_events(force=False)
-            if _orphaned(parent):
+            if orphaned(parent):
                 break  # the session is gone: nobody is left to serve
 
     def stop_orphans(self) -> None:
-        """The session is gone: stop the ranks it left (they would wait on nobody) and remove the session's arenas."""
-        # only processes that carry this session's id: a Hello's pid is the client's word, not proof
-        pids = [pid for pid in self.rank_pids.values() if pid > 1 and _alive(pid) and _of_session(pid, self.session)]
-        stopping = len(pids)
-        for sig, grace in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 1.0)):
-            for pid in pids:
-                try:
-                    os.kill(pid, sig)
-                except OSError:
-                    pass
-            deadline = time.monotonic() + grace
-            while (pids := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
-                time.sleep(0.05)
-        for path in session_segments(self.session):
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-        print(f"mirage daemon: the session went away; stopped {stopping} of its rank process(es)", file=sys.stderr,
-              flush=True)
+        """The session is gone: stop the ranks it left (they would wait on nobody) and remove its arenas."""
+        stop_orphans(self.session, self.rank_pids.values())
 
     def close(self) -> None:
         self.flush_events()
         for arena in self.arenas.values():
             arena.close()
         self.buffers.close()
-        for conn in list(self.fast_names):
-            self.drop_fast(conn)
         self.fast.close()
-        try:
-            os.unlink(self.fast_path)
-        except OSError:
-            pass
         self.router.close(0)
         self.pub.close()
         self.ctx.term()
@@ -678,15 +529,6 @@ def _payload(frames: Sequence[zmq.Frame]) -> tuple[str, np.ndarray | Segmented |
     return "", parts[0] if len(parts) == 1 else Segmented(parts)
 
 
-def _fds_of(anc: list) -> list[int]:
-    """The file descriptors among a message's ancillary data (SCM_RIGHTS), now ours to close."""
-    fds: list[int] = []
-    for level, kind, data in anc:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.extend(np.frombuffer(data[: len(data) - len(data) % 4], np.int32).tolist())
-    return fds
-
-
 def _sent_back(p: Posted, out: np.ndarray) -> np.ndarray | None:
     """What goes back to the rank after ``Done``: a socket-transport rank's output, if it has one."""
     return out if p.request.transport is s.Transport.SOCKET and out.size else None
@@ -696,58 +538,11 @@ def _comm_error(e: CommError | KernelError) -> CommError:
     return e if isinstance(e, CommError) else CommError("ncclInvalidArgument", str(e))
 
 
-def _alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie, exited but not yet reaped, counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return False
-
-
-def _of_session(pid: int, session: str) -> bool:
-    """Whether process ``pid`` runs with ``MIRAGE_SESSION=<session>`` in its environment (as the session's sweep checks)."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return f"MIRAGE_SESSION={session}".encode() in f.read().split(b"\0")
-    except OSError:
-        return False
-
-
-_parent_signalled = False  # set by the parent-death signal, see _die_with_parent
-
-
-def _orphaned(parent: int) -> bool:
-    """Whether the session that started us (pid ``parent``) is gone, or dying (a zombie)."""
-    # /proc is read only after the signal: this runs on every turn of the busy loop
-    return os.getppid() != parent or (_parent_signalled and not _alive(parent))
-
-
-def _on_parent_death(signum, frame) -> None:
-    global _parent_signalled
-    _parent_signalled = True
-
-
-def _die_with_parent() -> None:
-    # Linux: SIGHUP us if the session dies without reaping us. The kernel sends it when the
-    # *thread* that forked us exits, which, in a SIGKILLed session, can come before the
-    # process is gone: the handler only notes it, and the loop checks _orphaned() (a SIGTERM
-    # here would stop us before we could tell, and skip stop_orphans). A SIGHUP whose parent
-    # lives on (only the forking thread ended) changes nothing.
-    signal.signal(signal.SIGHUP, _on_parent_death)
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGHUP)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def run(run_dir: str, session: str, token: str, profile: str, nodes: int, gpus_per_node: int,
         hang_timeout_s: float) -> int:
     """Entry point used by ``python -m emulator``."""
     parent = os.getppid()
-    _die_with_parent()
+    die_with_parent()
     daemon = Daemon(run_dir, session, token, profile, nodes, gpus_per_node, hang_timeout_s)
 
     def stop(signum, frame):
@@ -759,7 +554,7 @@ def run(run_dir: str, session: str, token: str, profile: str, nodes: int, gpus_p
     try:
         daemon.serve()
     finally:
-        if _orphaned(parent):  # the session died without stopping us (SIGKILL): nobody else will clean up
+        if orphaned(parent):  # the session died without stopping us (SIGKILL): nobody else will clean up
             daemon.stop_orphans()
         daemon.close()
         usage = resource.getrusage(resource.RUSAGE_SELF)

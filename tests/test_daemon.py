@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from daemon_client import TIMEOUT_S, DaemonProcess, Events, FastClient, bf16_bits, bf16_to_f32, fast_group, stamped
+from daemon_client import TIMEOUT_S, DaemonProcess, Events, FastClient, bf16_bits, bf16_to_f32, fast_group
 from emulator import schema as s
 from emulator.arena import Arena, arena_name
 

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from emulator import codec
 from emulator import schema as s
 
 #: values of every JSON kind (and some a field's type refuses), put in each field of each message
@@ -21,16 +22,16 @@ def _generic_encode(msg: s.Message, **fields) -> bytes:
 
 def _generic_decode(data: bytes | str) -> s.Message:
     """decode's field-by-field path, which the generated decoders must agree with."""
-    body = s._DECODER.decode(data.decode() if isinstance(data, bytes) else data)
-    cls = s._REGISTRY[body["type"]]
+    body = codec._DECODER.decode(data.decode() if isinstance(data, bytes) else data)
+    cls = s.MESSAGE_TYPES[body["type"]]
     values = {}
-    for name, check in s._fields(cls):
+    for name, check in codec._fields(cls):
         if name in body:
             values[name] = check(body[name])
     return cls(**values)
 
 
-@pytest.mark.parametrize("cls", sorted(s._REGISTRY.values(), key=lambda c: c.TYPE), ids=lambda c: c.TYPE)
+@pytest.mark.parametrize("cls", sorted(s.MESSAGE_TYPES.values(), key=lambda c: c.TYPE), ids=lambda c: c.TYPE)
 def test_fast_codec_matches_generic(cls):
     base = cls()
     assert list(base.__dict__) == [f.name for f in dataclasses.fields(cls)]  # the fast __init__'s order
@@ -84,7 +85,7 @@ def test_messages_keep_dataclass_behaviour():
                                   b'{"v":1,"type":"ok","req":1e999}', b"\xff", b'{"v":1,"type":"ok"'])
 def test_decode_refuses_or_accepts_as_the_json_module_does(data):
     try:
-        body = s._DECODER.decode(data.decode())
+        body = codec._DECODER.decode(data.decode())
     except (ValueError, UnicodeDecodeError):
         with pytest.raises(s.SchemaError, match="not JSON"):
             s.decode(data)

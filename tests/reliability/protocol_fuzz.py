@@ -20,6 +20,7 @@ from its seed.
 
 from __future__ import annotations
 
+from enum import Enum
 import json
 import random
 import typing
@@ -28,7 +29,7 @@ from emulator import schema as s
 from emulator.kernels import DTYPES
 
 #: every request kind the schema knows (new ones are fuzzed too, with generic values)
-REQUESTS = [cls for cls in s._REGISTRY.values() if issubclass(cls, s.Request)]
+REQUESTS = [cls for cls in s.MESSAGE_TYPES.values() if issubclass(cls, s.Request)]
 NOT_REQUESTS = ["ok", "error", "done", "daemon_ready", "coll_completed", "hang", "session_ended", "output"]
 _INT_JUNK = [None, True, False, 1.5, "7", "", [], {}, [1], {"a": 1}, float("nan")]
 _STR_JUNK = [None, True, 0, -1, 2**70, 1.5, [], {}, ["x"], {"k": "v"}]
@@ -43,7 +44,7 @@ def _field_types(cls) -> dict[str, str]:
             continue
         if typing.get_origin(hint) is list:
             out[name] = "list"
-        elif isinstance(hint, type) and issubclass(hint, s.Enum):
+        elif isinstance(hint, type) and issubclass(hint, Enum):
             out[name] = "enum"
         else:
             out[name] = hint.__name__
@@ -229,7 +230,7 @@ class Fuzzer:
             return [raw[: g.randrange(len(raw))]]
         if kind < 44:  # one field of the wrong type (the real token: only the type is wrong)
             body = self.valid()
-            cls = s._REGISTRY[body["type"]]
+            cls = s.MESSAGE_TYPES[body["type"]]
             name = g.choice(list(_TYPES[cls]))
             kind_of = _TYPES[cls][name]
             if kind_of == "int":

@@ -8,6 +8,7 @@ never raise.
 
 from __future__ import annotations
 
+from enum import Enum
 import dataclasses
 import json
 import os
@@ -27,7 +28,7 @@ from mirage_tui import flight_recorder
 from mirage_tui.runstate import RunState, read_journal
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-EVENT_TYPES = [cls for cls in s._REGISTRY.values() if issubclass(cls, s.Event)]
+EVENT_TYPES = [cls for cls in s.MESSAGE_TYPES.values() if issubclass(cls, s.Event)]
 N_LINES = int(os.environ.get("MIRAGE_FUZZ_LINES", "6000"))
 
 
@@ -35,7 +36,7 @@ def _value(gen: random.Random, hint, comms: list[str]):
     if typing.get_origin(hint) is list:
         (item,) = typing.get_args(hint)
         return [_value(gen, item, comms) for _ in range(gen.choice([0, 1, 2, 3, 40]))]
-    if isinstance(hint, type) and issubclass(hint, s.Enum):
+    if isinstance(hint, type) and issubclass(hint, Enum):
         return gen.choice(list(hint))
     if hint is float:
         return gen.choice([0.0, -1.0, 1e300, 1.5, gen.random() * 2e9, -0.0, 5e-324])
@@ -59,7 +60,7 @@ def junk_line(gen: random.Random, valid: bytes) -> bytes:
         return bytes(gen.randrange(256) for _ in range(gen.randrange(200))).replace(b"\n", b"")
     if kind == 2:  # one field of a wrong type
         body = json.loads(valid)
-        hints = typing.get_type_hints(s._REGISTRY[body["type"]])
+        hints = typing.get_type_hints(s.MESSAGE_TYPES[body["type"]])
         name = gen.choice([k for k in body if k in hints])
         hint = hints[name]
         wrong = {int: ["1", 1.5, True, None], float: ["1.5", None, [1.0]], str: [1, None, ["x"], {}]}
@@ -146,8 +147,8 @@ PICKLE_WRITERS = {"mirage_tui/flight_recorder.py"}
 #: ``dataclasses`` does, from the classes' own field names (checked against an identifier pattern),
 #: never from a message's bytes. Exactly these lines may call ``exec``; any other is reported.
 CODEGEN = {
-    ("emulator/schema.py", "exec(src, namespace)"): 2,
-    ("emulator/schema.py",
+    ("emulator/codec.py", "exec(src, namespace)"): 2,
+    ("emulator/codec.py",
      """exec(f"def __init__(self, {', '.join(params)}):\\n    self.__dict__.update({{{', '.join(items)}}})\\n", namespace)"""): 1,
 }
 

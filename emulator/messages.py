@@ -1,0 +1,503 @@
+"""The message catalogue: every request, reply and event of the wire format, and its limits.
+
+Requests (rank -> daemon) and replies (daemon -> rank) travel over the
+daemon's ROUTER socket and its fast socket; events (daemon/session -> anyone)
+over its PUB socket and into ``events.jsonl``. Each message kind is a frozen
+dataclass here, so no stringly dict crosses a module boundary. How they become
+bytes and back is :mod:`emulator.codec`; import both through
+:mod:`emulator.schema`.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import ClassVar
+
+__all__ = [
+    "MESSAGE_TYPES",
+    "VERSION", "MAX_MESSAGE_BYTES", "MAX_DATA_FRAME_BYTES", "FAST_SOCKET", "FAST_MAX_MESSAGE_BYTES",
+    "STACK_SIGNAL", "SchemaError", "ReduceOp", "CollOp", "Transport", "DIRECT_OPS", "Stream", "Message",
+    "Request", "Ping", "Hello", "CommInit", "WorldPhase", "WorldFormation", "MemoryReport", "Collective",
+    "RegisterBuffer", "ReleaseBuffers", "Reply", "Ok", "Error", "Done", "Event", "DaemonReady",
+    "RankRegistered", "RankGone", "MemoryUsage", "CommJoined", "CollectiveEnqueued", "CollectiveStarted",
+    "CollectiveProgress", "CollectiveCompleted", "CommFailed", "HangKind", "WorldStage", "HangDetected",
+    "StragglerWarning", "HangReport", "ProtocolError", "OutputLine", "ProcessExited", "SessionEnded",
+]
+
+VERSION = 1
+#: Largest request the daemon will parse; tensors never travel inline in the JSON.
+MAX_MESSAGE_BYTES = 1 << 20
+#: Largest data frame a rank sends (the socket transport): a tensor's bytes go in frames of this
+#: size after the request's JSON frame, every frame but the last full; the daemon's transport
+#: drops connections that send bigger frames.
+MAX_DATA_FRAME_BYTES = 16 * MAX_MESSAGE_BYTES
+#: The daemon's second request socket (next to its ZeroMQ ``rpc.sock``): a unix SOCK_SEQPACKET
+#: socket, one message per request or reply, for requests without data frames. ZeroMQ moves
+#: each message through an I/O thread at either end (about 56 us a round trip here, against
+#: 5 us for a bare unix socket), which dominated a small collective's latency.
+FAST_SOCKET = "fast.sock"
+#: Largest message on the fast socket, either way; anything bigger goes through ZeroMQ.
+FAST_MAX_MESSAGE_BYTES = 64 << 10
+#: Sent to a rank process to make it append its Python stacks to ``ranks/rank-<r>.stacks``.
+STACK_SIGNAL = signal.SIGUSR1
+
+
+class SchemaError(ValueError):
+    """A message that is not valid JSON or does not match its declared type."""
+
+
+class ReduceOp(str, Enum):
+    """Reduction operators, with torch's ``ReduceOp`` names in lower case."""
+
+    SUM = "sum"
+    AVG = "avg"
+    PRODUCT = "product"
+    MIN = "min"
+    MAX = "max"
+
+
+class CollOp(str, Enum):
+    """Collective kinds the daemon executes (NCCL's OpType names, lower case)."""
+
+    ALLREDUCE = "allreduce"
+    BROADCAST = "broadcast"
+    REDUCE = "reduce"
+    ALLGATHER = "allgather"
+    GATHER = "gather"
+    SCATTER = "scatter"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALLTOALL = "alltoall"
+    BARRIER = "barrier"
+    SEND = "send"  # point-to-point: seq counts this (src, dst) pair's messages, not the collectives
+    RECV = "recv"
+
+
+class Transport(str, Enum):
+    """How one rank's collective data reaches the daemon and comes back."""
+
+    SHM = "shm"  # the rank's shared-memory arena (RCCL's P2P/SHM transports)
+    SOCKET = "socket"  # ZeroMQ frames after the request and after its Done (RCCL's NET/Socket)
+
+
+#: Collectives small enough may go rank to rank (``Collective.direct``): their output is every
+#: rank's input, reduced, or the root's.
+DIRECT_OPS = (CollOp.ALLREDUCE, CollOp.BROADCAST, CollOp.BARRIER)
+
+
+class Stream(str, Enum):
+    STDOUT = "stdout"
+    STDERR = "stderr"
+
+
+#: every message class by its ``type`` (each subclass with a TYPE registers itself)
+MESSAGE_TYPES: dict[str, type[Message]] = {}
+
+
+@dataclass(frozen=True)
+class Message:
+    """Base of every message; subclasses set ``TYPE``."""
+
+    TYPE: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        if cls.__dict__.get("TYPE"):
+            MESSAGE_TYPES[cls.TYPE] = cls
+
+
+# ---------------------------------------------------------------- requests
+
+
+@dataclass(frozen=True)
+class Request(Message):
+    token: str = ""
+    req: int = 0  # per-client request id, echoed in the reply
+
+
+@dataclass(frozen=True)
+class Ping(Request):
+    """Liveness check; the daemon answers Ok and republishes DaemonReady."""
+
+    TYPE: ClassVar[str] = "ping"
+
+
+@dataclass(frozen=True)
+class Hello(Request):
+    """A rank process announces itself (pid, node, global rank if known)."""
+
+    TYPE: ClassVar[str] = "hello"
+    rank: int = -1
+    node: int = 0
+    pid: int = 0
+
+
+@dataclass(frozen=True)
+class CommInit(Request):
+    """A rank joins communicator ``comm`` (a uuid agreed through the c10d store)."""
+
+    TYPE: ClassVar[str] = "comm_init"
+    comm: str = ""
+    rank: int = 0  # rank within the communicator
+    size: int = 1
+    global_rank: int = 0
+    node: int = 0
+    host: str = ""  # NCCL_HOSTID: ranks on one host must not share a GPU
+    transport: str = "shm"
+
+
+class WorldPhase(str, Enum):
+    """Where a rank is in forming its world (``init_process_group``)."""
+
+    JOINING = "joining"  # about to wait in init_process_group (the store rendezvous) for its peers
+    FORMED = "formed"  # init_process_group returned: every rank of the world arrived
+    FAILED = "failed"  # init_process_group raised (its timeout, a bad argument)
+
+
+@dataclass(frozen=True)
+class WorldFormation(Request):
+    """Rank ``rank`` of a world of ``size`` ranks enters or leaves ``init_process_group``.
+
+    ``world`` names the rendezvous (its address and the how-many-th world of it
+    this process forms), so that the ranks of one world agree on it; ``site`` is
+    where the user's code called ``init_process_group``.
+    """
+
+    TYPE: ClassVar[str] = "world_formation"
+    world: str = ""
+    rank: int = 0
+    size: int = 1
+    pid: int = 0
+    site: str = ""
+    phase: WorldPhase = WorldPhase.JOINING
+
+
+@dataclass(frozen=True)
+class MemoryReport(Request):
+    """A rank's allocator figures for one GPU, sent when they change (a few times a second at most)."""
+
+    TYPE: ClassVar[str] = "memory_report"
+    rank: int = 0
+    node: int = 0
+    device: int = 0  # the node's GPU, not the rank's visible ordinal
+    allocated: int = 0  # bytes, as torch.cuda.memory_allocated
+    reserved: int = 0  # bytes, as torch.cuda.memory_reserved
+    peak: int = 0  # bytes, as torch.cuda.max_memory_allocated
+    total: int = 0  # the GPU's capacity (the profile's HBM or --hbm)
+
+
+@dataclass(frozen=True)
+class Collective(Request):
+    """Rank ``rank`` of ``comm`` posts collective number ``seq``.
+
+    With ``transport`` SHM its input and output live in the rank's
+    shared-memory arena ``arena`` at byte offsets ``in_off``/``out_off``; with
+    SOCKET the input bytes follow as data frames (see ``MAX_DATA_FRAME_BYTES``)
+    and the output comes back as a data frame after ``Done``. ``numel``
+    counts input elements.
+    """
+
+    TYPE: ClassVar[str] = "collective"
+    comm: str = ""
+    seq: int = 0
+    rank: int = 0
+    op: CollOp = CollOp.ALLREDUCE
+    reduce_op: ReduceOp = ReduceOp.SUM
+    dtype: str = "float32"
+    numel: int = 0
+    out_numel: int = 0
+    root: int = 0
+    device: int = 0
+    arena: str = ""
+    in_off: int = 0
+    out_off: int = 0
+    site: str = ""  # file:line:function of the call in the user's code
+    splits: list[int] = field(default_factory=list)  # ALLTOALL: elements this rank sends to each rank
+    peer: int = -1  # SEND/RECV: the other rank, within the communicator
+    transport: Transport = Transport.SHM
+    # SHM only: a buffer the rank registered (RegisterBuffer), nonzero, holds the input/output
+    # itself at byte offset in_off/out_off instead of the arena (zero-copy: the rank's tensor)
+    in_buf: int = 0
+    out_buf: int = 0
+    # rank to rank (the shim's direct path): the ranks exchange the data through their own shared
+    # rings; the daemon matches, checks and publishes it, and answers only with an error
+    direct: bool = False
+
+
+@dataclass(frozen=True)
+class RegisterBuffer(Request):
+    """The rank lends the daemon a tensor's storage as buffer ``buf`` (a positive id of its choosing).
+
+    Fast socket only: the storage's shared-memory file descriptor travels with
+    this message (SCM_RIGHTS; never a name another process could open). The
+    daemon maps ``nbytes`` of it until ``ReleaseBuffers`` names it or the
+    connection closes; collectives then refer to it by ``in_buf``/``out_buf``.
+    """
+
+    TYPE: ClassVar[str] = "register_buffer"
+    buf: int = 0
+    nbytes: int = 0
+
+
+@dataclass(frozen=True)
+class ReleaseBuffers(Request):
+    """The rank's storages behind buffers ``bufs`` are gone: the daemon unmaps them (the rank does not
+    wait for the reply)."""
+
+    TYPE: ClassVar[str] = "release_buffers"
+    bufs: list[int] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------- replies
+
+
+@dataclass(frozen=True)
+class Reply(Message):
+    req: int = 0
+
+
+@dataclass(frozen=True)
+class Ok(Reply):
+    TYPE: ClassVar[str] = "ok"
+
+
+@dataclass(frozen=True)
+class Error(Reply):
+    """The request failed; ``code`` is an NCCL result name where one fits."""
+
+    TYPE: ClassVar[str] = "error"
+    code: str = "ncclInternalError"
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class Done(Reply):
+    """Collective ``seq`` of ``comm`` finished; the output is in the arena (SOCKET: in the data frame that follows)."""
+
+    TYPE: ClassVar[str] = "done"
+    comm: str = ""
+    seq: int = 0
+    # on a communicator's first collective (NCCL connects its rings then): each rank's GPU and host
+    devices: list[int] = field(default_factory=list)
+    hosts: list[str] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------- events
+
+
+@dataclass(frozen=True)
+class Event(Message):
+    t: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class DaemonReady(Event):
+    TYPE: ClassVar[str] = "daemon_ready"
+    pid: int = 0
+    profile: str = ""
+    nodes: int = 1
+    gpus_per_node: int = 1
+
+
+@dataclass(frozen=True)
+class RankRegistered(Event):
+    TYPE: ClassVar[str] = "rank_registered"
+    rank: int = 0
+    node: int = 0
+    pid: int = 0
+
+
+@dataclass(frozen=True)
+class RankGone(Event):
+    """The daemon noticed a registered rank's process is gone (exit code unknown to it)."""
+
+    TYPE: ClassVar[str] = "rank_gone"
+    rank: int = 0
+    pid: int = 0
+
+
+@dataclass(frozen=True)
+class MemoryUsage(Event):
+    """GPU memory a rank holds on one device (from its MemoryReport)."""
+
+    TYPE: ClassVar[str] = "memory_usage"
+    rank: int = 0
+    node: int = 0
+    device: int = 0
+    allocated: int = 0
+    reserved: int = 0
+    peak: int = 0
+    total: int = 0
+
+
+@dataclass(frozen=True)
+class CommJoined(Event):
+    TYPE: ClassVar[str] = "comm_joined"
+    comm: str = ""
+    rank: int = 0
+    size: int = 1
+    global_rank: int = 0
+    transport: str = "shm"
+
+
+@dataclass(frozen=True)
+class CollectiveEnqueued(Event):
+    TYPE: ClassVar[str] = "coll_enqueued"
+    comm: str = ""
+    seq: int = 0
+    rank: int = 0
+    op: CollOp = CollOp.ALLREDUCE
+    dtype: str = "float32"
+    numel: int = 0
+    device: int = 0
+    site: str = ""
+    transport: Transport = Transport.SHM  # how this rank's data travels
+
+
+@dataclass(frozen=True)
+class CollectiveStarted(Event):
+    TYPE: ClassVar[str] = "coll_started"
+    comm: str = ""
+    seq: int = 0
+    op: CollOp = CollOp.ALLREDUCE
+    total_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class CollectiveProgress(Event):
+    TYPE: ClassVar[str] = "coll_progress"
+    comm: str = ""
+    seq: int = 0
+    done_bytes: int = 0
+    total_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class CollectiveCompleted(Event):
+    TYPE: ClassVar[str] = "coll_completed"
+    comm: str = ""
+    seq: int = 0
+    op: CollOp = CollOp.ALLREDUCE
+    total_bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class CommFailed(Event):
+    TYPE: ClassVar[str] = "comm_failed"
+    comm: str = ""
+    code: str = ""
+    message: str = ""
+
+
+class HangKind(str, Enum):
+    """What a hang waits for."""
+
+    COLLECTIVE = "collective"  # a collective (or message) some ranks posted and others did not
+    WORLD = "world"  # init_process_group: ranks that never arrived to form the world
+
+
+@dataclass(frozen=True)
+class WorldStage(Event):
+    """A rank's ``WorldFormation``, as the daemon recorded it."""
+
+    TYPE: ClassVar[str] = "world"
+    world: str = ""
+    rank: int = 0
+    size: int = 1
+    site: str = ""
+    phase: WorldPhase = WorldPhase.JOINING
+
+
+@dataclass(frozen=True)
+class HangDetected(Event):
+    """Collective ``seq`` of ``comm``: some ranks joined ``waited_s`` ago, others never came.
+
+    Ranks are global ranks; ``sites`` pairs with ``joined`` (where each joined
+    rank called the collective), ``last_enqueued``/``last_completed`` pair with
+    ``missing`` (the last sequence numbers those ranks posted and finished).
+    With ``kind`` WORLD, ``comm`` is the world (``WorldFormation.world``), ``op``
+    BARRIER and ``seq`` 0: ``joined`` ranks wait in ``init_process_group`` (at
+    ``sites``), ``missing`` ranks never reached it.
+    """
+
+    TYPE: ClassVar[str] = "hang"
+    comm: str = ""
+    seq: int = 0
+    op: CollOp = CollOp.ALLREDUCE
+    dtype: str = "float32"
+    numel: int = 0
+    size: int = 0
+    waited_s: float = 0.0
+    joined: list[int] = field(default_factory=list)
+    sites: list[str] = field(default_factory=list)
+    missing: list[int] = field(default_factory=list)
+    last_enqueued: list[int] = field(default_factory=list)
+    last_completed: list[int] = field(default_factory=list)
+    kind: HangKind = HangKind.COLLECTIVE
+
+    def waiting_for(self) -> str:
+        """What the waiting ranks wait in, in words: ``collective #7 (allreduce) of 3f2a…``."""
+        if self.kind is HangKind.WORLD:
+            return f"world formation (init_process_group) of {self.comm[:8]}"
+        return f"collective #{self.seq} ({self.op.value}) of {self.comm[:8]}"
+
+
+@dataclass(frozen=True)
+class StragglerWarning(Event):
+    """Global rank ``rank`` arrived last, ``mean_margin_s`` behind the others, ``count`` times in a row."""
+
+    TYPE: ClassVar[str] = "straggler"
+    comm: str = ""
+    rank: int = 0
+    count: int = 0
+    mean_margin_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class HangReport(Event):
+    """The session's diagnosis of a hang (rendered text; JSON in ``path``)."""
+
+    TYPE: ClassVar[str] = "hang_report"
+    comm: str = ""
+    seq: int = 0
+    text: str = ""
+    path: str = ""
+
+
+@dataclass(frozen=True)
+class ProtocolError(Event):
+    """The daemon refused a message (bad token, malformed, out of order)."""
+
+    TYPE: ClassVar[str] = "protocol_error"
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class OutputLine(Event):
+    """One line a rank (``rank`` >= 0) or node process (``node``) printed."""
+
+    TYPE: ClassVar[str] = "output"
+    rank: int = -1
+    node: int = -1
+    stream: Stream = Stream.STDOUT
+    text: str = ""
+
+
+@dataclass(frozen=True)
+class ProcessExited(Event):
+    """A node process (launched by the session) ended."""
+
+    TYPE: ClassVar[str] = "process_exited"
+    node: int = 0
+    pid: int = 0
+    returncode: int = 0
+
+
+@dataclass(frozen=True)
+class SessionEnded(Event):
+    TYPE: ClassVar[str] = "session_ended"
+    returncode: int = 0
+    summary: str = ""
