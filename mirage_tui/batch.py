@@ -9,7 +9,8 @@ import signal
 import sys
 
 from emulator import schema as s
-from mirage_tui.session import LaunchError, Outcome, Session
+from mirage_tui.runstate import Outcome
+from mirage_tui.session import LaunchError, Session
 from mirage_tui.topology import Topology
 
 

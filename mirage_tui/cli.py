@@ -18,15 +18,23 @@ from emulator import faults
 from emulator.faults import Fault
 from emulator.profiles import DEFAULT_PROFILE, list_profiles
 from mirage_tui import __version__
-from mirage_tui.topology import DEFAULT_HANG_TIMEOUT_S, OnHang, Topology, UsageError, parse_env, parse_size, validate
+from mirage_tui.topology import (
+    DEFAULT_HANG_TIMEOUT_S,
+    CommandNotFound,
+    OnHang,
+    Topology,
+    UsageError,
+    check_combination,
+    check_command,
+    parse_env,
+    parse_size,
+    validate,
+)
 
 USAGE_EXIT = 2
 #: The program after ``--`` cannot be run (a shell's answer); nothing was started.
 COMMAND_NOT_FOUND_EXIT = 127
 
-
-class CommandNotFound(UsageError):
-    """The program after ``--`` does not exist or cannot be executed: exit 127."""
 
 _RUN_EPILOG = """\
 example:
@@ -156,48 +164,6 @@ def _topology(ns: argparse.Namespace, command: tuple[str, ...] | None, help_prog
         raise UsageError(f"{e}; see '{help_prog} --help'") from None
     check_command(topology)
     return topology
-
-
-def check_combination(topology: Topology) -> None:
-    """Flags that are each fine but contradict each other, and a --report that could never be written."""
-    import os
-
-    if topology.in_process and topology.num_nodes > 1:
-        raise UsageError(
-            f"--in-process runs without the daemon, so it cannot join --num-nodes {topology.num_nodes} nodes; "
-            "drop one of the two"
-        )
-    if topology.in_process and topology.on_hang is OnHang.WAIT:
-        raise UsageError("--on-hang wait acts on the daemon's hang reports, and --in-process has no daemon; "
-                         "drop one of the two")
-    if topology.report:
-        folder = os.path.dirname(os.path.abspath(topology.report))
-        if os.path.isdir(topology.report) or not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
-            raise UsageError(f"--report {topology.report}: cannot write a file there; pick a file in a writable folder")
-
-
-def check_command(topology: Topology) -> None:
-    """Find the program the nodes will run, as they will (their PATH), before anything starts."""
-    import os
-    import shutil
-
-    if not topology.command:
-        return
-    prog = topology.command[0]
-    path = dict(topology.env).get("PATH", os.environ.get("PATH", os.defpath))
-    if shutil.which(prog, path=path) is not None:
-        return
-    if os.sep in prog:
-        where = os.path.abspath(prog)
-        if not os.path.exists(where):
-            raise CommandNotFound(f"command not found: {prog} (tried {where}: no such file)")
-        why = "it is a directory" if os.path.isdir(where) else "it has no execute permission"
-        raise CommandNotFound(f"command not executable: {prog} (tried {where}: {why})")
-    for folder in path.split(os.pathsep):
-        candidate = os.path.join(folder or ".", prog)
-        if os.path.isfile(candidate):
-            raise CommandNotFound(f"command not executable: {prog} (found {candidate}, which has no execute permission)")
-    raise CommandNotFound(f"command not found: {prog} (searched PATH={path})")
 
 
 def _run(topology: Topology) -> int:
@@ -357,7 +323,7 @@ def _console(ns: argparse.Namespace, command: tuple[str, ...] | None, theme: str
     """The Setup form prefilled from the flags (or, with none at all, the last run), then the run."""
     import os
 
-    from mirage_tui.app import topology_file
+    from mirage_tui import topology_file
     from mirage_tui.app.app import MirageApp
 
     # no flag at all: the form starts from the last run the console started, if any

@@ -11,7 +11,6 @@ the daemon last, then anything still carrying the session's id.
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import queue
 import signal
@@ -22,7 +21,6 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import psutil
 import zmq
@@ -31,9 +29,9 @@ from emulator import faults
 from emulator import schema as s
 from emulator.arena import session_segments
 from emulator.daemon import endpoints
-from mirage_tui import diagnosis, flight_recorder, rundir
+from mirage_tui import diagnosis, flight_recorder, report, rundir
 from mirage_tui.output import RankTail, pump_pipe
-from mirage_tui.runstate import RunState
+from mirage_tui.runstate import Outcome, RunState
 from mirage_tui.topology import OnHang, Topology
 from shim.bootstrap import is_torchrun_agent
 
@@ -63,13 +61,6 @@ class LaunchError(Exception):
     def __init__(self, message: str, returncode: int):
         super().__init__(message)
         self.returncode = returncode
-
-
-@dataclass(frozen=True)
-class Outcome:
-    returncode: int
-    summary: str
-    run_dir: str
 
 
 def _free_port() -> int:
@@ -125,11 +116,9 @@ class Session:
         self._log_files: dict[str, object] = {}
         self._dirty_logs: dict[str, object] = {}  # log files written since the last flush
         self._sink_errors: set[str] = set()  # display failures already reported
-        # what the dispatcher learns, for diagnosing hangs (written by it only)
-        self.last_output: dict[int, tuple[str, float]] = {}
         self._exited: set[int] = set()  # nodes whose exit was emitted
         self._tearing_down = False
-        self.state = RunState()  # the fold of every event, for the report
+        self.state = RunState()  # the fold of every event (written by the dispatcher only): diagnoses, the report
         self._hangs: queue.Queue[s.HangDetected] = queue.Queue()
 
     # ------------------------------------------------------------ events
@@ -156,10 +145,7 @@ class Session:
                 self._written += 1
                 self._record(e, line)
                 self.state.apply(e)
-                if isinstance(e, s.OutputLine):
-                    if e.rank >= 0:
-                        self.last_output[e.rank] = (e.text, e.t)
-                elif isinstance(e, s.HangDetected):
+                if isinstance(e, s.HangDetected):
                     self._flush_journal()  # the diagnosis reads the journal (Flight Recorder dumps)
                     self._hangs.put(e)
                 if self._tearing_down and isinstance(e, s.CommFailed):
@@ -407,40 +393,6 @@ class Session:
             )
         return Outcome(code if code > 0 else 128 - code, self._failure_summary(node, code), self.run.path)
 
-    def _write_report(self, outcome: Outcome | None) -> None:
-        """``report.json`` in the run directory (and at ``--report FILE``): the run in one document."""
-        topo, st = self.topology, self.state
-        report = {
-            "run_dir": self.run.path,
-            "topology": {
-                "profile": topo.profile, "num_nodes": topo.num_nodes, "gpus_per_node": topo.gpus_per_node,
-                "command": list(topo.command), "env": dict(topo.env), "in_process": topo.in_process,
-                "hang_timeout_s": topo.hang_timeout_s, "faults": [f.spec() for f in topo.faults],
-            },
-            "returncode": None if outcome is None else outcome.returncode,
-            "summary": None if outcome is None else outcome.summary,
-            "duration_s": None if st.started_at is None else round(st.last_t - st.started_at, 3),
-            "nodes": {str(n): {"returncode": code, "log": self.run.node_log(n)} for n, code in st.node_exits.items()},
-            "ranks": {
-                str(r): {"pid": pid, "log": self.run.rank_log(r)}
-                for r, pid in sorted(st.rank_pids.items())
-            },
-            "communicators": st.to_json(),
-            "gpu_memory": st.memory_json(),
-            "hangs": [
-                {"kind": h.kind.value, "comm": h.comm, "seq": h.seq, "op": h.op.name, "joined": h.joined,
-                 "missing": h.missing, "waited_s": h.waited_s}
-                for h in st.hangs
-            ],
-        }
-        text = json.dumps(report, indent=2)
-        for path in [os.path.join(self.run.path, "report.json"), *([topo.report] if topo.report else [])]:
-            try:
-                with open(path, "w") as f:
-                    f.write(text + "\n")
-            except OSError as e:  # the run is over; losing the copy must not lose the rest of the teardown
-                print(f"mirage: could not write the report to {path}: {e}", file=sys.stderr)
-
     def _report_hangs(self) -> str | None:
         """Diagnose every hang the daemon reported since the last call; return a summary of the first."""
         summary = None
@@ -450,7 +402,7 @@ class Session:
             except queue.Empty:
                 return summary
             d = diagnosis.diagnose(
-                finding, dict(self.state.rank_pids), dict(self.last_output), self.run.ranks, self.run.session
+                finding, dict(self.state.rank_pids), dict(self.state.last_output), self.run.ranks, self.run.session
             )
             try:
                 path = diagnosis.write(d, self.run.path)
@@ -593,7 +545,7 @@ class Session:
             self._journal.close()
         except OSError as err:
             self._write_failed(self.run.events, err)
-        self._write_report(outcome)
+        report.write(self.state, self.topology, outcome, self.run)
         for path, f in self._log_files.items():
             try:
                 f.close()  # type: ignore[attr-defined]

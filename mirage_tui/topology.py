@@ -2,12 +2,17 @@
 
 The command line builds a :class:`Topology`; :func:`validate` checks it before
 anything starts, so every usage mistake surfaces as one :class:`UsageError`
-line instead of a half-started run.
+line instead of a half-started run; :func:`check_combination` and
+:func:`check_command` add the checks that look past one flag (flags that
+contradict each other, the program on the nodes' PATH). The command line and
+the console's Setup form both run all three.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 from dataclasses import dataclass
 from enum import Enum
 
@@ -32,6 +37,10 @@ class OnHang(str, Enum):
 
 class UsageError(Exception):
     """A mistake in how mirage was called; the message is one line."""
+
+
+class CommandNotFound(UsageError):
+    """The program after ``--`` does not exist or cannot be executed (the command line exits 127)."""
 
 
 @dataclass(frozen=True)
@@ -107,3 +116,40 @@ def validate(topology: Topology) -> None:
         raise UsageError(
             "missing command: put the program after --, e.g. mirage run -- python train.py"
         )
+
+
+def check_combination(topology: Topology) -> None:
+    """Flags that are each fine but contradict each other, and a --report that could never be written."""
+    if topology.in_process and topology.num_nodes > 1:
+        raise UsageError(
+            f"--in-process runs without the daemon, so it cannot join --num-nodes {topology.num_nodes} nodes; "
+            "drop one of the two"
+        )
+    if topology.in_process and topology.on_hang is OnHang.WAIT:
+        raise UsageError("--on-hang wait acts on the daemon's hang reports, and --in-process has no daemon; "
+                         "drop one of the two")
+    if topology.report:
+        folder = os.path.dirname(os.path.abspath(topology.report))
+        if os.path.isdir(topology.report) or not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
+            raise UsageError(f"--report {topology.report}: cannot write a file there; pick a file in a writable folder")
+
+
+def check_command(topology: Topology) -> None:
+    """Find the program the nodes will run, as they will (their PATH), before anything starts."""
+    if not topology.command:
+        return
+    prog = topology.command[0]
+    path = dict(topology.env).get("PATH", os.environ.get("PATH", os.defpath))
+    if shutil.which(prog, path=path) is not None:
+        return
+    if os.sep in prog:
+        where = os.path.abspath(prog)
+        if not os.path.exists(where):
+            raise CommandNotFound(f"command not found: {prog} (tried {where}: no such file)")
+        why = "it is a directory" if os.path.isdir(where) else "it has no execute permission"
+        raise CommandNotFound(f"command not executable: {prog} (tried {where}: {why})")
+    for folder in path.split(os.pathsep):
+        candidate = os.path.join(folder or ".", prog)
+        if os.path.isfile(candidate):
+            raise CommandNotFound(f"command not executable: {prog} (found {candidate}, which has no execute permission)")
+    raise CommandNotFound(f"command not found: {prog} (searched PATH={path})")

@@ -20,9 +20,10 @@ from rich.console import Console  # noqa: E402
 from textual.widgets import Button, DataTable, Input, Log, Static, Switch, TextArea, Tree  # noqa: E402
 
 from mirage_tui import replay  # noqa: E402
-from mirage_tui.app import launch, topology_file  # noqa: E402
+from mirage_tui import launch_forms, topology_file  # noqa: E402
 from mirage_tui.app.app import MirageApp  # noqa: E402
 from mirage_tui.app.confirm import ConfirmScreen  # noqa: E402
+from mirage_tui.app.ranks_pane import RankTree  # noqa: E402
 from mirage_tui.app.report import ReportScreen  # noqa: E402
 from mirage_tui.app.run_screen import RunScreen  # noqa: E402
 from mirage_tui.app.setup import SetupScreen  # noqa: E402
@@ -153,14 +154,14 @@ def test_setup_enter_runs_the_demo_then_report_and_replay_match(tmp_path):
         assert app.screen is run
         assert max(_completed_seqs(run), default=0) > 0
         assert all(label.endswith("exited 0") for label in _tree_labels(run)), _tree_labels(run)
-        assert str(run._node_items[0].label) == "node 0 exit 0"
+        assert str(run.query_one(RankTree).node_items[0].label) == "node 0 exit 0"
         # selecting rank 1 swaps the log to its output
         tree = run.query_one("#ranks", Tree)
-        tree.select_node(run._rank_items[1])
+        tree.select_node(run.query_one(RankTree).rank_items[1])
         await pilot.pause(0.2)
         assert log.border_title == "rank 1 output"
         assert not any("ddp_mlp_ok" in line for line in log.lines)  # only rank 0 prints it
-        tree.select_node(run._rank_items[0])
+        tree.select_node(run.query_one(RankTree).rank_items[0])
         await pilot.pause(0.2)
         assert any("ddp_mlp_ok" in line for line in log.lines)
         await pilot.press("t")
@@ -223,7 +224,7 @@ def test_a_rank_that_raised_is_failed_in_the_tree(tmp_path):
         run = app.run_screen
         assert app.outcome.returncode == 1 and "rank 1 raised" in app.outcome.summary
         assert _tree_labels(run)[1] == "● rank 1 gpu 1 failed", _tree_labels(run)
-        assert str(run._node_items[0].label) == "node 0 exit 1"
+        assert str(run.query_one(RankTree).node_items[0].label) == "node 0 exit 1"
 
     _run_app(app, body)
 
@@ -271,7 +272,7 @@ def test_stop_and_restart_keys_relaunch_the_same_topology(tmp_path):
         # before any rank registered, the node says so (torch takes seconds to import)
         assert str(app.run_screen.query_one("#ranks", Tree).root.children[0].label) == "node 0 starting"
         first = await registered(pilot, "the first run's ranks")
-        assert str(first._node_items[0].label) == "node 0"
+        assert str(first.query_one(RankTree).node_items[0].label) == "node 0"
         await pilot.press("R")
         assert isinstance(app.screen, ConfirmScreen)  # live: restarting asks first
         await pilot.press("y")
@@ -339,7 +340,7 @@ def test_kill_rank_from_the_console_shows_the_dead_peer(tmp_path):
         await _until(pilot, "the run screen", lambda: app.run_screen is not None)
         run = app.run_screen
         await _until(pilot, "rank 0 in its all_reduce", lambda: "in collective" in " ".join(_tree_labels(run)))
-        run.query_one("#ranks", Tree).select_node(run._rank_items[1])
+        run.query_one("#ranks", Tree).select_node(run.query_one(RankTree).rank_items[1])
         await pilot.pause(0.1)
         await pilot.press("k")
         assert isinstance(app.screen, ConfirmScreen)
@@ -591,15 +592,15 @@ def test_setup_validates_with_the_cli_rules_and_loads_toml(tmp_path):
 
 def test_launch_forms_round_trip():
     script = ("train.py", "--lr", "0.1")
-    single = launch.build(launch.TORCHRUN, ("python", *script), 1, 4)
+    single = launch_forms.build(launch_forms.TORCHRUN, ("python", *script), 1, 4)
     assert single[1:] == ("--standalone", "--nproc_per_node=4", *script)
-    assert launch.launch_form(single) == launch.TORCHRUN and launch.program(single) == list(script)
-    multi = launch.build(launch.TORCHRUN, single, 2, 4)
+    assert launch_forms.launch_form(single) == launch_forms.TORCHRUN and launch_forms.program(single) == list(script)
+    multi = launch_forms.build(launch_forms.TORCHRUN, single, 2, 4)
     assert multi[:2] == ("sh", "-c") and "--node_rank=$RANK" in multi[2]
-    assert launch.launch_form(multi) == launch.TORCHRUN and launch.program(multi) == list(script)
-    direct = launch.build(launch.DIRECT, multi, 2, 4)
-    assert direct[1:] == script and launch.launch_form(direct) == launch.DIRECT
-    assert launch.program(("torchrun", "--nproc-per-node", "8", "t.py")) == ["t.py"]
+    assert launch_forms.launch_form(multi) == launch_forms.TORCHRUN and launch_forms.program(multi) == list(script)
+    direct = launch_forms.build(launch_forms.DIRECT, multi, 2, 4)
+    assert direct[1:] == script and launch_forms.launch_form(direct) == launch_forms.DIRECT
+    assert launch_forms.program(("torchrun", "--nproc-per-node", "8", "t.py")) == ["t.py"]
 
 
 def test_topology_file_round_trip_and_errors(tmp_path):
@@ -686,7 +687,7 @@ def test_output_filter_stderr_toggle_and_timestamps():
         await pilot.press("T", "v")
         pinned = screen.query_one("#pinned", Log)
         assert pinned.display and pinned.border_title == "rank 0 output (pinned)"
-        screen.query_one("#ranks", Tree).select_node(screen._rank_items[1])
+        screen.query_one("#ranks", Tree).select_node(screen.query_one(RankTree).rank_items[1])
         await pilot.pause(0.1)
         assert log.border_title == "rank 1 output" and not any("ddp_mlp_ok" in line for line in log.lines)
         assert any("ddp_mlp_ok" in line for line in pinned.lines)
@@ -723,7 +724,7 @@ def test_gpu_pane_shows_memory_reports_with_history():
 
 def test_traffic_shows_every_collective_in_flight_and_throughput():
     from emulator import schema as s
-    from mirage_tui.app.traffic import Traffic
+    from mirage_tui.traffic import Traffic
 
     mib = 2**20
     traffic = Traffic()

@@ -20,11 +20,13 @@ import pytest
 pytest.importorskip("textual")
 
 from textual import events  # noqa: E402
-from textual.widgets import Log, Tree  # noqa: E402
+from textual.widgets import Log  # noqa: E402
 
 from emulator import schema as s  # noqa: E402
 from mirage_tui import replay  # noqa: E402
 from mirage_tui.app.app import MirageApp  # noqa: E402
+from mirage_tui.app.output_pane import OutputPane  # noqa: E402
+from mirage_tui.app.ranks_pane import RankTree  # noqa: E402
 from mirage_tui.app.report import ReportScreen  # noqa: E402
 
 RANKS = 32
@@ -68,7 +70,8 @@ def test_keys_answer_under_20k_lines_per_second_on_32_ranks():
                 await asyncio.sleep(0.02)
             screen = app.run_screen
             started = time.monotonic()
-            tree = screen.query_one("#ranks", Tree)
+            tree = screen.query_one("#ranks", RankTree)
+            pane = screen.query_one(OutputPane)
             tree.focus()
             tree.cursor_line = 10
             await asyncio.sleep(0.05)
@@ -76,19 +79,19 @@ def test_keys_answer_under_20k_lines_per_second_on_32_ranks():
                 line = tree.cursor_line
                 key = "down" if len(results["tree"]) % 2 == 0 else "up"
                 results["tree"].append(await _latency(app, key, lambda: tree.cursor_line != line))
-                shown = screen._show_stderr
-                results["stderr"].append(await _latency(app, "e", lambda: screen._show_stderr != shown))
+                shown = pane.show_stderr
+                results["stderr"].append(await _latency(app, "e", lambda: pane.show_stderr != shown))
                 await asyncio.sleep(0.1)
             # all 32 ranks are in the tree, and the pane kept up: the selected rank's latest line is shown
-            assert len(screen._rank_items) == RANKS
+            assert len(tree.rank_items) == RANKS
             while app.outcome is None:
                 await asyncio.sleep(0.01)
             # the player's schedule began at its anchor; the run ends (RunFinished handled) this late after it
             span = recording.events[-1].t - recording.events[0].t
             behind = time.monotonic() - screen.feed.player._anchor_wall - span
             log = screen.query_one("#output", Log)
-            last = next(e for e in reversed(screen._lines[screen._selected]) if screen._shows(e))
-            assert log.lines and log.lines[-1] == screen._render_line(last)
+            last = next(e for e in reversed(pane.lines[pane.selected]) if pane.shows(e))
+            assert log.lines and log.lines[-1] == pane.line_text(last)
             print(f"\n{LINES_PER_S} lines/s on {RANKS} ranks for {SECONDS:g} s: the Run screen had taken in the last line "
                   f"{behind:.2f} s after it was due; key latency ms (median / max): tree cursor "
                   f"{statistics.median(results['tree']) * 1000:.0f} / {max(results['tree']) * 1000:.0f}, "

@@ -15,7 +15,7 @@ from textual.app import App, SystemCommand
 from textual.binding import Binding, BindingType
 from textual.screen import Screen
 
-from mirage_tui.app import topology_file
+from mirage_tui import topology_file
 from mirage_tui.app.confirm import ConfirmScreen
 from mirage_tui.app.feeds import STOPPED_EXIT, LiveFeed, ReplayFeed
 from mirage_tui.app.help_screen import HelpScreen
@@ -24,7 +24,8 @@ from mirage_tui.app.run_screen import RunScreen
 from mirage_tui.app.setup import SetupScreen
 from mirage_tui.app.themes import DEFAULT_THEME, register_themes
 from mirage_tui.replay import Recording
-from mirage_tui.session import Outcome, Session
+from mirage_tui.runstate import Outcome
+from mirage_tui.session import Session
 from mirage_tui.topology import Topology
 
 
@@ -129,7 +130,7 @@ class MirageApp(App[int]):
         if isinstance(self.screen, ConfirmScreen):
             self.pop_screen()  # a question about the live run (kill, quit) has no object any more
         skipped = self.recording.skipped if self.recording else 0
-        self.push_screen(ReportScreen(screen.summary, o, o.run_dir, skipped))
+        self.push_screen(ReportScreen(screen.state, o, o.run_dir, skipped))
 
     def stop_session(self, timeout: float = 30.0) -> None:
         """Tear the run (or replay) down and wait for it (safe to call twice)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
-from mirage_tui.app.traffic import Traffic
+from mirage_tui.traffic import Traffic
 
 
 class InFlightPane(Static):

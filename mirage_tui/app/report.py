@@ -1,4 +1,7 @@
-"""The Report screen: how the run ended, per node and rank, what went wrong, where the logs are."""
+"""The Report screen: how the run ended, per node and rank, what went wrong, where the logs are.
+
+It lays out :func:`mirage_tui.report.render`'s text of the run's fold, its first line in colour.
+"""
 
 from __future__ import annotations
 
@@ -13,8 +16,8 @@ from textual.containers import VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Static
 
-from mirage_tui.app.summary import Summary
-from mirage_tui.session import Outcome
+from mirage_tui import report
+from mirage_tui.runstate import Outcome, RunState
 
 
 class ReportScreen(Screen):
@@ -29,11 +32,11 @@ class ReportScreen(Screen):
         Binding("N", "new_run", "New run", tooltip="back to the Setup form, filled with this run's topology"),
     ]
 
-    def __init__(self, summary: Summary, outcome: Outcome, run_dir: str, skipped: int = 0) -> None:
+    def __init__(self, state: RunState, outcome: Outcome, run_dir: str, skipped: int = 0) -> None:
         super().__init__()
         self.outcome = outcome
         self.run_dir = run_dir
-        self.text = summary.render(outcome, run_dir, skipped)
+        self.text = report.render(state, outcome, run_dir, skipped)
 
     def compose(self) -> ComposeResult:
         yield Header()

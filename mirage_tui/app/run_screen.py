@@ -1,16 +1,17 @@
 """The Run screen: a cluster tree, the selected rank's output, collectives (grid and in flight), alerts.
 
 Its events come from a feed (a live session or a replay) that runs on another
-thread and only buffers events and posts messages; every widget update happens
-here, in the handler that drains the buffer into the shared
-:class:`~mirage_tui.runstate.RunState` fold.
+thread and only buffers events and posts messages. Every widget update happens
+here, in the handler that drains the buffer: each event goes into the run's
+fold (:class:`~mirage_tui.runstate.RunState`, the one batch mode's session and
+``mirage status`` keep too), and the panes (``*_pane.py``) then redraw what
+it says changed, reading only the fold.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections import deque
 from typing import ClassVar
 
 from rich.text import Text
@@ -20,39 +21,21 @@ from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Input, Log, Static, Tree
-from textual.widgets.tree import TreeNode
 
 from emulator import schema as s
-from emulator.kernels import KernelError, itemsize
-from mirage_tui import diagnosis, flight_recorder
-from mirage_tui.app import hang_stacks
+from mirage_tui import diagnosis, flight_recorder, hang_stacks
 from mirage_tui.app.confirm import ConfirmScreen
 from mirage_tui.app.feeds import Feed, LiveFeed, ReplayFeed
 from mirage_tui.app.gpu_pane import GpuMemory
-from mirage_tui.app.hang_stacks import RankStacks
 from mirage_tui.app.inflight_pane import InFlightPane
+from mirage_tui.app.ledger_pane import LedgerGrid, row_rank
 from mirage_tui.app.messages import AlertReady, EventsReady, ReplayProgress, RunFinished, StacksReady
+from mirage_tui.app.output_pane import OutputPane, Source
+from mirage_tui.app.ranks_pane import RankTree
 from mirage_tui.app.stacks_screen import StacksScreen
-from mirage_tui.app.summary import Summary
 from mirage_tui.app.themes import RANK_STATE_VARIABLES
-from mirage_tui.app.traffic import Traffic
-from mirage_tui.runstate import RunState, human_bytes
-from mirage_tui.session import Outcome
-
-#: Lines kept per rank (and per node process); older ones are only in the run directory's logs.
-MAX_LINES = 10_000
-
-Source = tuple[str, int]  # ("rank", r) or ("node", n): whose output a Log shows
-_COLUMNS = (("comm", "comm"), ("rank", "rank"), ("enq", "enqueued"), ("start", "started"),
-            ("done", "completed"), ("op", "op"), ("size", "size"), ("dtype", "dtype"), ("age", "age"))
-
-
-def _size(numel: int, dtype: str) -> str:
-    """A collective's bytes per rank (its element count where the dtype is not one the emulator knows)."""
-    try:
-        return human_bytes(numel * itemsize(dtype))
-    except KernelError:
-        return f"{numel} el"
+from mirage_tui.hang_stacks import RankStacks
+from mirage_tui.runstate import Changed, Outcome, RunState
 
 
 class RunScreen(Screen):
@@ -87,34 +70,12 @@ class RunScreen(Screen):
         self.feed = feed
         self.title_text = title
         self.nodes = nodes
+        #: The run as its events tell it; the panes draw from it.
         self.state = RunState()
-        self.summary = Summary()
-        self.traffic = Traffic()
         #: How the run ended; None while it runs.
         self.outcome: Outcome | None = None
-        self._lines: dict[Source, deque[s.OutputLine]] = {}
-        # what the output pane shows of the selected source's lines
-        self._filter = ""
-        self._show_stderr = True
-        self._timestamps = False
-        # per output pane: lines of its source drained but not yet written to it
-        self._unwritten: dict[str, list[str]] = {"output": [], "pinned": []}
-        self._selected: Source | None = None
-        self._pinned: Source | None = None  # shown beside the selected source, to compare two ranks
-        self._user_selected = False
-        self._node_items: dict[int, TreeNode[Source]] = {}
-        self._rank_items: dict[int, TreeNode[Source]] = {}
-        self._rank_node: dict[int, int] = {}
-        self._rank_gpus: dict[int, set[int]] = {}  # the node's GPU indices a rank has used
-        self._hung: dict[int, str] = {}  # rank -> "stuck" (waits in the hung collective) or "missing"
-        self._exited: set[int] = set()
-        # how exited ranks ended: no event carries a torchrun worker's exit code, so this is what is known
-        self._exited_ok: set[int] = set()  # their node process exited 0 (torchrun only does if every worker did)
-        self._failed: set[int] = set()  # raised (a traceback on stderr), killed from here, or exited non-zero itself
-        self._raised: set[int] = set()
-        self._rows: dict[str, tuple] = {}  # grid row key -> the values it shows
+        self._user_selected = False  # until the user picks a source, the lowest rank's output shows
         self._alerts: list[Text] = []
-        self._hang_reports: list[s.HangReport] = []
 
     @property
     def replaying(self) -> bool:
@@ -127,20 +88,16 @@ class RunScreen(Screen):
         yield Header()
         with Horizontal(id="main"):
             with Vertical(id="left"):
-                tree: Tree[Source] = Tree("cluster", id="ranks")
-                tree.show_root = False
-                yield tree
+                yield RankTree(id="ranks")
                 with VerticalScroll(id="gpu-pane"):
                     yield GpuMemory(id="gpu-memory")
             with Vertical(id="output-pane"):
-                with Horizontal(id="logs"):
-                    yield Log(max_lines=MAX_LINES, id="output")
-                    yield Log(max_lines=MAX_LINES, id="pinned")
+                yield OutputPane(id="logs")
                 yield Input(placeholder="show lines containing… (enter: keep, esc: clear)", id="filter")
                 with VerticalScroll(id="traffic"):
                     yield InFlightPane(id="inflight")
         with Horizontal(id="bottom"):
-            yield DataTable(id="collectives", cursor_type="row", zebra_stripes=True)
+            yield LedgerGrid(id="collectives")
             with VerticalScroll(id="alerts"):
                 yield Static("no alerts", markup=False, id="alerts-text")
         if self.replaying:
@@ -150,17 +107,10 @@ class RunScreen(Screen):
     def on_mount(self) -> None:
         """Set up the widgets and start the feed."""
         self.sub_title = self.title_text
-        self.query_one("#ranks", Tree).border_title = "ranks"
-        self.query_one("#output", Log).border_title = "output"
-        grid = self.query_one("#collectives", DataTable)
-        grid.border_title = "collectives"
-        for key, label in _COLUMNS:
-            grid.add_column(label, key=key)
         self.query_one("#alerts").border_title = "alerts"
         self.query_one("#gpu-pane").border_title = "GPU memory"
         self.query_one("#traffic").border_title = "collectives in flight"
-        for node in range(self.nodes):
-            self._node_item(node)
+        self.query_one(RankTree).sync(self.state, self.nodes)
         if isinstance(self.feed, ReplayFeed):
             self.on_replay_progress(self.feed.progress())
             if self.feed.recording.skipped:
@@ -177,10 +127,10 @@ class RunScreen(Screen):
 
     def _tick(self) -> None:
         if self.outcome is None:
-            self._update_grid()
+            self.query_one(LedgerGrid).redraw(self.state, self.clock())
             # idle seconds bring the throughput down to zero; a replay's come with its next event
-            self.traffic.advance(self.clock())
-            self.query_one("#inflight", InFlightPane).redraw(self.traffic, self.clock())
+            self.state.traffic.advance(self.clock())
+            self.query_one(InFlightPane).redraw(self.state.traffic, self.clock())
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         """Replay keys only while replaying, stacks and stop only while live, the report once there is one."""
@@ -191,12 +141,12 @@ class RunScreen(Screen):
         if action == "report":
             return self.outcome is not None
         if action == "hang_stacks":
-            return bool(self._hang_reports) or None  # None: shown, greyed out, until there is a hang
+            return bool(self.state.hang_reports) or None  # None: shown, greyed out, until there is a hang
         if action == "new_run":
             return not self.replaying and self.outcome is not None
         return True
 
-    # ------------------------------------------------------------ events -> widgets
+    # ------------------------------------------------------------ events -> fold -> panes
 
     @property
     def superseded(self) -> bool:
@@ -204,51 +154,21 @@ class RunScreen(Screen):
         return self.app.run_screen is not self
 
     def on_events_ready(self, _: EventsReady) -> None:
-        """Drain the feed's buffer into the fold and the widgets."""
+        """Drain the feed's buffer into the fold and the panes."""
         if not self.superseded:
             self._drain()
 
     def _drain(self) -> None:
+        """Fold the buffered events in, keep their output lines and alerts, then redraw what changed."""
         buffer = self.feed.claim()
-        grid_dirty = ranks_dirty = memory_dirty = traffic_dirty = False
-        gpus = self.query_one("#gpu-memory", GpuMemory)
+        output = self.query_one(OutputPane)
+        changed = Changed.NOTHING
         while buffer:
             e = buffer.popleft()
-            self.state.apply(e)
-            self.summary.apply(e)
-            traffic_dirty = self.traffic.apply(e) or traffic_dirty
+            changed |= self.state.apply(e)
             if isinstance(e, s.OutputLine):
-                source: Source = ("rank", e.rank) if e.rank >= 0 else ("node", e.node)
-                # anywhere in the line: torch prefixes a rank's stderr lines with "[rankN]: "
-                if e.rank >= 0 and e.stream is s.Stream.STDERR and "Traceback (most recent call last)" in e.text:
-                    self._raised.add(e.rank)
-                self._lines.setdefault(source, deque(maxlen=MAX_LINES)).append(e)
-                if self._shows(e):
-                    for pane, shown in (("output", self._selected), ("pinned", self._pinned)):
-                        if source == shown:
-                            self._unwritten[pane].append(self._render_line(e))
-            elif isinstance(e, s.DaemonReady):
-                for node in range(e.nodes):  # a replay learns the cluster's shape here
-                    self._node_item(node)
-            elif isinstance(e, s.RankRegistered):
-                self._add_rank(e.rank, e.node)
-                ranks_dirty = True  # its node is no longer starting
-            elif isinstance(e, (s.CommJoined, s.CollectiveEnqueued, s.CollectiveStarted, s.CollectiveCompleted)):
-                grid_dirty = ranks_dirty = True
-                if isinstance(e, s.CollectiveEnqueued) and e.comm in self.state.comms:
-                    # the event names the communicator's rank; the tree shows global ranks
-                    self._rank_gpus.setdefault(self.state.comms[e.comm].global_of.get(e.rank, e.rank),
-                                               set()).add(e.device)
-            elif isinstance(e, s.MemoryUsage):
-                gpus.record(e)
-                self._rank_gpus.setdefault(e.rank, set()).add(e.device)
-                memory_dirty = ranks_dirty = True
-            elif isinstance(e, s.HangDetected):
-                self._hung.update({r: "stuck" for r in e.joined})
-                self._hung.update({r: "missing" for r in e.missing})
-                ranks_dirty = True
+                output.take(e)
             elif isinstance(e, s.HangReport):
-                self._hang_reports.append(e)
                 self._alert(self._hang_alert(e))
                 self.refresh_bindings()
             elif isinstance(e, s.CommFailed):
@@ -257,126 +177,29 @@ class RunScreen(Screen):
             elif isinstance(e, s.StragglerWarning):
                 self._alert(f"rank {e.rank} arrived last at {e.count} collectives in a row of communicator "
                             f"{e.comm[:8]}, {e.mean_margin_s:.2f} s behind on average (a straggler)")
-            elif isinstance(e, s.RankGone):
-                self._exited.add(e.rank)
-                if e.rank in self._raised:
-                    self._failed.add(e.rank)
-                ranks_dirty = True
-            elif isinstance(e, s.ProcessExited):
-                ranks = {r for r, n in self._rank_node.items() if n == e.node}
-                self._exited |= ranks
-                if e.returncode == 0:
-                    self._exited_ok |= ranks
-                    self._failed -= ranks  # a traceback it printed and handled
-                else:
-                    # launched directly, the node process is the rank: its exit code is the rank's
-                    self._failed |= {r for r in ranks if r in self._raised or self.state.rank_pids.get(r) == e.pid}
-                ranks_dirty = True
-        for pane, lines in self._unwritten.items():
-            if lines:
-                # one write per drain; a selection change mid-drain (a rank registering) refilled the pane instead
-                self.query_one(f"#{pane}", Log).write_lines(lines)
-                self._unwritten[pane] = []
-        if grid_dirty:
-            self._update_grid()
-        if ranks_dirty:
-            self.update_rank_labels()
-        if memory_dirty:
-            gpus.redraw(self.state.memory)
-        if traffic_dirty:
-            self.query_one("#inflight", InFlightPane).redraw(self.traffic, self.clock())
-
-    def _node_item(self, node: int) -> TreeNode[Source]:
-        item = self._node_items.get(node)
-        if item is None:
-            item = self._node_items[node] = self.query_one("#ranks", Tree).root.add(
-                self._node_label(node), data=("node", node), expand=True)
-        return item
-
-    def _node_label(self, node: int) -> Text:
-        """``node 1``, then how its process is: starting (no rank has registered yet) or its exit code."""
-        code = self.state.node_exits.get(node)
-        if code is not None:
-            return Text.assemble(f"node {node} ", (f"exit {code}", "dim"))
-        if node not in self._rank_node.values():
-            return Text.assemble(f"node {node} ", ("starting", "dim"))
-        return Text(f"node {node}")
-
-    def _add_rank(self, rank: int, node: int) -> None:
-        if rank in self._rank_items:
-            return
-        self._rank_node[rank] = node
-        parent = self._node_item(node)
-        # ranks register in any order; keep the tree sorted
-        later = [item for r, item in self._rank_items.items() if r > rank and item.parent is parent]
-        before = min(later, key=lambda item: item.data[1]) if later else None
-        self._rank_items[rank] = parent.add_leaf(self._rank_label(rank), data=("rank", rank), before=before)
-        if not self._user_selected:  # until the user picks one, show the lowest rank
-            self._select(("rank", min(self._rank_items)))
-
-    def rank_state(self, rank: int) -> str:
-        """running, in collective, stuck, missing; then exited 0, failed, or exited (its exit code unknown).
-
-        A rank is in the tree once it registered; until then its node says ``starting``.
-        """
-        if rank in self._failed:
-            return "failed"
-        if rank in self._exited:
-            return "exited 0" if rank in self._exited_ok else "exited"
-        if rank in self._hung:
-            return self._hung[rank]
-        for comm in self.state.comms.values():
-            pos = comm.ranks.get(rank)
-            if pos is not None and pos.last_enqueued > pos.last_completed:
-                return "in collective"
-        return "running"
-
-    def _rank_label(self, rank: int) -> Text:
-        state = self.rank_state(rank)
-        colour = self.app.current_theme.variables.get(RANK_STATE_VARIABLES[state], "")
-        gpus = self._rank_gpus.get(rank)
-        gpu = f"gpu {','.join(map(str, sorted(gpus)))} " if gpus else ""  # known once it used one
-        return Text.assemble(("● ", colour), f"rank {rank} ", (gpu, "dim"), (state, colour))
+        if changed & Changed.RANKS:
+            tree = self.query_one(RankTree)
+            if tree.sync(self.state) and not self._user_selected:
+                output.select(("rank", min(tree.rank_items)))
+            tree.redraw(self.state)
+        output.flush()  # after a new selection's refill, which includes what it would write
+        if changed & Changed.LEDGER:
+            self.query_one(LedgerGrid).redraw(self.state, self.clock())
+        if changed & Changed.MEMORY:
+            self.query_one(GpuMemory).redraw(self.state)
+        if changed & Changed.TRAFFIC:
+            self.query_one(InFlightPane).redraw(self.state.traffic, self.clock())
 
     def update_rank_labels(self) -> None:
         """Redraw every rank's state (also after a theme change: the colours are theme variables)."""
-        for node, item in self._node_items.items():
-            item.set_label(self._node_label(node))
-        for rank, item in self._rank_items.items():
-            item.set_label(self._rank_label(rank))
-
-    def _update_grid(self) -> None:
-        grid = self.query_one("#collectives", DataTable)
-        now = self.clock()
-        added = False
-        for comm in self.state.comms.values():
-            for rank in sorted(comm.ranks):
-                p = comm.ranks[rank]
-                key = f"{comm.comm}:{rank}"
-                # age: since the rank last enqueued on this communicator (a waiting rank's grows as it waits)
-                age = f"{max(0.0, now - p.enqueued_at):.0f} s" if p.enqueued_at else ""
-                row = (comm.comm[:8], rank, p.last_enqueued, p.last_started, p.last_completed, p.op,
-                       _size(p.numel, p.dtype) if p.op else "", p.dtype, age)
-                old = self._rows.get(key)
-                if old == row:
-                    continue
-                if old is None:
-                    grid.add_row(*row, key=key)
-                    added = True
-                else:
-                    for (column, _), value, before in zip(_COLUMNS, row, old):
-                        if value != before:
-                            grid.update_cell(key, column, value, update_width=True)
-                self._rows[key] = row
-        if added:  # ranks join in any order: keep each communicator's rows in rank order
-            grid.sort("comm", "rank")
+        self.query_one(RankTree).redraw(self.state)
 
     def _hang_alert(self, e: s.HangReport) -> Text:
         """The session's hang report with the missing ranks in the theme's colour, and the key to their stacks."""
         text = Text(e.text)
         colour = self.app.current_theme.variables.get(RANK_STATE_VARIABLES["missing"], "")
         text.highlight_regex(r"missing ranks: \{[^}]*\}", f"bold {colour}")
-        for rank in (r for r, state in self._hung.items() if state == "missing"):
+        for rank in (r for r, status in self.state.ranks.items() if status.hung == "missing"):
             text.highlight_regex(rf"(?m)^  \[{rank}\] .*$", colour)  # what the rank did instead
         text.append("\n  h: the Python stacks of these ranks", style=f"bold {self.app.current_theme.accent or ''}")
         return text
@@ -390,53 +213,15 @@ class RunScreen(Screen):
         """Show the output of the rank (or node process) picked in the tree."""
         if event.node.data is not None:
             self._user_selected = True
-            self._select(event.node.data)
+            self.query_one(OutputPane).select(event.node.data)
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         """Enter on a grid row picks its rank in the tree (and so shows its output)."""
-        rank = int(str(event.row_key.value).rpartition(":")[2])
-        item = self._rank_items.get(rank)
+        tree = self.query_one(RankTree)
+        item = tree.rank_items.get(row_rank(str(event.row_key.value)))
         if item is not None:
-            tree = self.query_one("#ranks", Tree)
             tree.move_cursor(item)
             tree.select_node(item)
-
-    def _select(self, source: Source) -> None:
-        if source == self._selected:
-            return
-        self._selected = source
-        self._refill(("output",))
-
-    def _shows(self, e: s.OutputLine) -> bool:
-        """Whether the output pane shows ``e`` under the current stderr toggle and filter."""
-        if not self._show_stderr and e.stream is s.Stream.STDERR:
-            return False
-        return not self._filter or self._filter.lower() in e.text.lower()
-
-    def _render_line(self, e: s.OutputLine) -> str:
-        if not self._timestamps:
-            return e.text
-        stamp = time.strftime("%H:%M:%S", time.localtime(e.t))
-        return f"{stamp}.{int(e.t * 1000) % 1000:03d} {e.text}"
-
-    def _refill(self, panes: tuple[str, ...] = ("output", "pinned")) -> None:
-        """Redraw output panes for their source, the filter, the stderr toggle and timestamps."""
-        for pane in panes:
-            source = self._selected if pane == "output" else self._pinned
-            if source is not None:
-                self._refill_pane(pane, source)
-
-    def _refill_pane(self, pane: str, source: Source) -> None:
-        log = self.query_one(f"#{pane}", Log)
-        title = f"{source[0]} {source[1]} output" + (" (pinned)" if pane == "pinned" else "")
-        if self._filter:
-            title += f" · lines with {self._filter!r}"
-        if not self._show_stderr:
-            title += " · stdout only"
-        log.border_title = title
-        log.clear()
-        self._unwritten[pane] = []  # the refill below includes them
-        log.write_lines([self._render_line(e) for e in self._lines.get(source, ()) if self._shows(e)])
 
     def on_replay_progress(self, message: ReplayProgress) -> None:
         """Show where the replay is."""
@@ -497,7 +282,7 @@ class RunScreen(Screen):
 
     def action_hang_stacks(self) -> None:
         """Show the Python stacks the session took at the latest hang, the missing ranks' first."""
-        report = self._hang_reports[-1]
+        report = self.state.hang_reports[-1]
         if isinstance(self.feed, LiveFeed):
             run_dir = self.feed.session.run.path if self.feed.session else ""
         else:
@@ -521,13 +306,12 @@ class RunScreen(Screen):
     def on_input_changed(self, event: Input.Changed) -> None:
         """Filter the output as the pattern is typed."""
         if event.input.id == "filter":
-            self._filter = event.value
-            self._refill()
+            self.query_one(OutputPane).set_filter(event.value)
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         """Keep the filter and go back to the output."""
         if event.input.id == "filter":
-            event.input.display = bool(self._filter)
+            event.input.display = bool(self.query_one(OutputPane).filter)
             self.query_one("#output", Log).focus()
 
     def on_key(self, event: events.Key) -> None:
@@ -541,32 +325,24 @@ class RunScreen(Screen):
 
     def action_pin(self) -> None:
         """Pin the selected source's output beside the pane (then pick another to compare); again: unpin."""
-        pinned = self.query_one("#pinned", Log)
-        if self._pinned is not None or self._selected is None:
-            self._pinned = None
-            pinned.display = False
-            return
-        self._pinned = self._selected
-        pinned.display = True
-        self._refill(("pinned",))
+        self.query_one(OutputPane).toggle_pin()
 
     def action_toggle_stderr(self) -> None:
         """Show or hide the selected source's stderr lines."""
-        self._show_stderr = not self._show_stderr
-        self._refill()
+        self.query_one(OutputPane).toggle_stderr()
 
     def action_toggle_timestamps(self) -> None:
         """Prefix each output line with the time it was printed, or not."""
-        self._timestamps = not self._timestamps
-        self._refill()
+        self.query_one(OutputPane).toggle_timestamps()
 
     def action_kill_rank(self) -> None:
         """Kill the selected rank's process (after a yes), as a crash or the OOM killer would."""
         feed = self.feed
-        if not isinstance(feed, LiveFeed) or self._selected is None or self._selected[0] != "rank":
+        selected = self.query_one(OutputPane).selected
+        if not isinstance(feed, LiveFeed) or selected is None or selected[0] != "rank":
             self.notify("select a rank in the tree first", severity="warning")
             return
-        rank = self._selected[1]
+        rank = selected[1]
 
         def answered(yes: bool | None) -> None:
             if not yes:
@@ -575,7 +351,7 @@ class RunScreen(Screen):
             if pid is None:
                 self.notify(f"rank {rank} has no live process of this run", severity="warning")
             else:
-                self._failed.add(rank)
+                self.state.rank_killed(rank)
                 self._alert(f"killed rank {rank} (pid {pid}) from the console")
 
         self.app.push_screen(ConfirmScreen(f"Kill rank {rank} (SIGKILL)? Its peers will see a dead peer."),

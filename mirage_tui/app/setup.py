@@ -3,8 +3,8 @@
 Every change rebuilds a :class:`~mirage_tui.topology.Topology` from the form and
 runs :func:`~mirage_tui.topology.validate` on it (and :func:`parse_env` on each
 env line), then the command line's own checks of flags that contradict each
-other and of the program (:func:`~mirage_tui.cli.check_combination`,
-:func:`~mirage_tui.cli.check_command`), so the form accepts exactly what
+other and of the program (:func:`~mirage_tui.topology.check_combination`,
+:func:`~mirage_tui.topology.check_command`), so the form accepts exactly what
 ``mirage run`` accepts and shows the same one-line message when it does not.
 """
 
@@ -18,15 +18,36 @@ from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, VerticalScroll
 from textual.screen import Screen
+from textual.suggester import Suggester
 from textual.widgets import Button, Footer, Header, Input, Label, Select, Static, Switch, TextArea
 
 from emulator.profiles import ProfileError, load_profile, profile_names
-from mirage_tui.app import launch, topology_file
-from mirage_tui.app.completion import PathSuggester
-from mirage_tui.cli import check_combination, check_command
-from mirage_tui.topology import Topology, UsageError, parse_env, parse_size, validate
+from mirage_tui import launch_forms, topology_file
+from mirage_tui.completion import complete_path
+from mirage_tui.topology import (
+    Topology,
+    UsageError,
+    check_combination,
+    check_command,
+    parse_env,
+    parse_size,
+    validate,
+)
 
-_LAUNCH_FORMS = [("torchrun on every node", launch.TORCHRUN), ("direct: one process per node", launch.DIRECT)]
+_LAUNCH_FORMS = [("torchrun on every node", launch_forms.TORCHRUN),
+                 ("direct: one process per node", launch_forms.DIRECT)]
+
+
+class PathSuggester(Suggester):
+    """Offers :func:`~mirage_tui.completion.complete_path` as the command field's suggestion (→ accepts it)."""
+
+    def __init__(self) -> None:
+        # the file system changes under the form: never answer from a cache
+        super().__init__(use_cache=False, case_sensitive=True)
+
+    async def get_suggestion(self, value: str) -> str | None:
+        """The completed value."""
+        return complete_path(value)
 
 
 def _profile_options(current: str) -> list[tuple[str, str]]:
@@ -47,7 +68,7 @@ def _hbm_text(hbm_bytes: int | None) -> str:
 
 def _generated(t: Topology) -> tuple[str, ...] | None:
     """``t``'s command when it has its launch form's own shape (so it may follow the topology), else None."""
-    built = launch.build(launch.launch_form(t.command), t.command, t.num_nodes, t.gpus_per_node)
+    built = launch_forms.build(launch_forms.launch_form(t.command), t.command, t.num_nodes, t.gpus_per_node)
     return t.command if built == t.command else None
 
 
@@ -95,7 +116,8 @@ class SetupScreen(Screen):
                 yield Input(str(t.gpus_per_node), type="integer", id="gpus")
             with Horizontal(classes="row"):
                 yield Label("launch", classes="field")
-                yield Select(_LAUNCH_FORMS, value=launch.launch_form(t.command), allow_blank=False, id="launch")
+                yield Select(_LAUNCH_FORMS, value=launch_forms.launch_form(t.command), allow_blank=False,
+                             id="launch")
             with Horizontal(classes="row"):
                 yield Label("command", classes="field")
                 yield Input(shlex.join(t.command), placeholder="python train.py (→ completes a file name)",
@@ -185,7 +207,7 @@ class SetupScreen(Screen):
             return
         if not (force or command == self._written) or nodes < 1 or gpus < 1:
             return
-        self._written = launch.build(str(self.query_one("#launch", Select).value), command, nodes, gpus)
+        self._written = launch_forms.build(str(self.query_one("#launch", Select).value), command, nodes, gpus)
         self.query_one("#command", Input).value = shlex.join(self._written)
 
     def on_input_changed(self, event: Input.Changed) -> None:
@@ -199,7 +221,7 @@ class SetupScreen(Screen):
         """Show the profile's figures, or rewrite the command for the launch form."""
         if event.select.id == "profile":
             self.query_one("#figures", Static).update(profile_figures(str(event.value)))
-        elif event.select.id == "launch" and launch.launch_form(self._command()) != event.value:
+        elif event.select.id == "launch" and launch_forms.launch_form(self._command()) != event.value:
             self._follow_topology(force=True)
         self._check()
 
@@ -259,7 +281,7 @@ class SetupScreen(Screen):
         profile.value = t.profile
         self.query_one("#nodes", Input).value = str(t.num_nodes)
         self.query_one("#gpus", Input).value = str(t.gpus_per_node)
-        self.query_one("#launch", Select).value = launch.launch_form(t.command)
+        self.query_one("#launch", Select).value = launch_forms.launch_form(t.command)
         self._written = _generated(t)
         self.query_one("#command", Input).value = shlex.join(t.command)
         self.query_one("#env", TextArea).text = "\n".join(f"{k}={v}" for k, v in t.env)

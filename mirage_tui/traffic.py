@@ -1,6 +1,7 @@
 """Collective traffic: every collective in flight (bytes done, wave by wave) and the throughput history.
 
-No Textual here. Times are the events' own, so a replay draws what the live run drew.
+Part of the run's fold (:attr:`mirage_tui.runstate.RunState.traffic`). No Textual
+here. Times are the events' own, so a replay draws what the live run drew.
 """
 
 from __future__ import annotations
@@ -9,8 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from emulator import schema as s
-from mirage_tui.app.glyphs import bar, sparkline
-from mirage_tui.runstate import human_bytes
+from mirage_tui.glyphs import bar, human_bytes, sparkline
 
 #: Seconds of throughput history drawn.
 HISTORY_S = 20

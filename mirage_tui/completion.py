@@ -1,10 +1,11 @@
-"""File completion for the Setup form's command field: the word being typed, completed as a path."""
+"""File completion for the Setup form's command field: the word being typed, completed as a path.
+
+No Textual here: the form's suggester (:class:`mirage_tui.app.setup.PathSuggester`) calls it.
+"""
 
 from __future__ import annotations
 
 import os
-
-from textual.suggester import Suggester
 
 
 def complete_path(value: str) -> str | None:
@@ -31,14 +32,3 @@ def complete_path(value: str) -> str | None:
         return None
     return f"{head}{sep}{os.path.join(folder, done)}"
 
-
-class PathSuggester(Suggester):
-    """Offers :func:`complete_path` as the Input's suggestion (the right arrow accepts it)."""
-
-    def __init__(self) -> None:
-        # the file system changes under the form: never answer from a cache
-        super().__init__(use_cache=False, case_sensitive=True)
-
-    async def get_suggestion(self, value: str) -> str | None:
-        """The completed value."""
-        return complete_path(value)

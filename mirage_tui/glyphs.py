@@ -1,8 +1,20 @@
-"""Bars and sparklines drawn with block characters (no Textual: plain strings)."""
+"""Figures as plain strings: byte sizes, and bars and sparklines drawn with block characters (no Textual)."""
 
 from __future__ import annotations
 
 _LEVELS = " ▁▂▃▄▅▆▇█"
+
+
+def human_bytes(n: int) -> str:
+    """``1536`` -> ``1.5 KiB``: sizes the way nvidia-smi/rocm-smi readers expect them."""
+    if n < 1024:
+        return f"{n} B"
+    size, unit = float(n), "B"
+    for unit in ("KiB", "MiB", "GiB"):
+        size /= 1024
+        if size < 1024:
+            break
+    return f"{size:.1f} {unit}"
 
 
 def bar(fraction: float, width: int) -> str:

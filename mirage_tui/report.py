@@ -1,0 +1,82 @@
+"""The report on a finished run, read off its fold: as text (the Report screen) and as JSON (``report.json``).
+
+No Textual here: the Report screen only colours the text's first line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from mirage_tui.rundir import RunDir
+from mirage_tui.runstate import Outcome, RunState
+from mirage_tui.topology import Topology
+
+
+def render(state: RunState, outcome: Outcome, run_dir: str, skipped: int = 0) -> str:
+    """The report as plain text lines: exit codes, durations, findings, log paths."""
+    paths = RunDir(path=run_dir, session="", token="")  # only its path-naming rules are used
+    status = "ok" if outcome.returncode == 0 else "FAILED"
+    out = [f"run {status}: exit {outcome.returncode}", f"  {outcome.summary}"]
+    began = state.began_at
+    if began is not None:
+        out.append(f"  duration {state.last_t - began:.1f} s, {state.events} events")
+    out.append(f"  run dir: {run_dir}")
+    out += ["", "nodes"]
+    for node, code in sorted(state.node_exits.items()):
+        out.append(f"  node {node}  exit {code:<4} log {paths.node_log(node)}")
+    if not state.node_exits:
+        out.append("  (no node process exited)")
+    out += ["", "ranks"]
+    ranks = state.registered
+    for rank, r in ranks.items():
+        assert r.registered_at is not None  # registered
+        ran = f"{r.ended_at - r.registered_at:6.1f} s" if r.ended_at is not None else "  (no end)"
+        out.append(f"  rank {rank}  node {r.node}  pid {r.pid:<7} ran {ran}  log {paths.rank_log(rank)}")
+    if not ranks:
+        out.append("  (no rank registered)")
+    out += ["", "findings"]
+    out += [f"  {f.kind}: {f.text}" for f in state.findings] or ["  none"]
+    if skipped:
+        out += ["", f"{skipped} unreadable line(s) of events.jsonl were skipped"]
+    return "\n".join(out)
+
+
+def to_json(state: RunState, topology: Topology, outcome: Outcome | None, run: RunDir) -> dict:
+    """The run in one document: topology, outcome, node and rank exits, communicators, memory, hangs."""
+    topo, st = topology, state
+    return {
+        "run_dir": run.path,
+        "topology": {
+            "profile": topo.profile, "num_nodes": topo.num_nodes, "gpus_per_node": topo.gpus_per_node,
+            "command": list(topo.command), "env": dict(topo.env), "in_process": topo.in_process,
+            "hang_timeout_s": topo.hang_timeout_s, "faults": [f.spec() for f in topo.faults],
+        },
+        "returncode": None if outcome is None else outcome.returncode,
+        "summary": None if outcome is None else outcome.summary,
+        "duration_s": None if st.started_at is None else round(st.last_t - st.started_at, 3),
+        "nodes": {str(n): {"returncode": code, "log": run.node_log(n)} for n, code in st.node_exits.items()},
+        "ranks": {
+            str(r): {"pid": pid, "log": run.rank_log(r)}
+            for r, pid in sorted(st.rank_pids.items())
+        },
+        "communicators": st.to_json(),
+        "gpu_memory": st.memory_json(),
+        "hangs": [
+            {"kind": h.kind.value, "comm": h.comm, "seq": h.seq, "op": h.op.name, "joined": h.joined,
+             "missing": h.missing, "waited_s": h.waited_s}
+            for h in st.hangs
+        ],
+    }
+
+
+def write(state: RunState, topology: Topology, outcome: Outcome | None, run: RunDir) -> None:
+    """``report.json`` in the run directory (and at ``--report FILE``); a copy that cannot be written is named."""
+    text = json.dumps(to_json(state, topology, outcome, run), indent=2)
+    for path in [os.path.join(run.path, "report.json"), *([topology.report] if topology.report else [])]:
+        try:
+            with open(path, "w") as f:
+                f.write(text + "\n")
+        except OSError as e:  # the run is over; losing the copy must not lose the rest of the teardown
+            print(f"mirage: could not write the report to {path}: {e}", file=sys.stderr)
