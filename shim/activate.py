@@ -64,35 +64,20 @@ def activate() -> None:
     torch_compile.install()
     cuda.install()
     mode.install()
-    from shim import backend, params, serialization, sharding, syncbn, world
+    from shim import c10d_patches, params, serialization, sharding, syncbn, world
 
-    backend.install()
+    c10d_patches.install()  # the "nccl" backend (shim/process_group.py)
     serialization.install()  # torch.load(map_location="cuda:i")
     syncbn.install()  # the CUDA-only kernels of nn.SyncBatchNorm
     sharding.install()  # FSDP2's storage freeing, DTensor.device
     params.install()  # Module.to and .data = keep a tensor's identity across host and GPU
-    world.install()  # init_process_group tells the daemon who waits for whom (after backend.install)
+    world.install()  # init_process_group tells the daemon who waits for whom (after c10d_patches.install)
     _register_rank()
 
 
 def _register_rank() -> None:
     """Tell the daemon which pid is which rank, so the console can name it (the rank claimed at start-up)."""
-    from shim import bootstrap
+    from shim import registration
 
-    if bootstrap.RANK is not None:
-        register_rank(bootstrap.RANK)
-
-
-def register_rank(rank: int) -> None:
-    """Announce this process to the daemon as global rank ``rank`` and report its GPU memory under it."""
-    import os
-
-    if os.environ.get("MIRAGE_IN_PROCESS") == "1" or "MIRAGE_ENDPOINT" not in os.environ:
-        return
-    from emulator.schema import Hello
-    from shim import memory
-    from shim.client import client
-
-    node = int(os.environ.get("MIRAGE_NODE_RANK", "0"))
-    client().request(Hello(rank=rank, node=node, pid=os.getpid()))
-    memory.start_reporter(rank, node)
+    if registration.RANK is not None:
+        registration.register_rank(registration.RANK)

@@ -17,9 +17,9 @@ import importlib.util
 import os
 import sys
 
+from shim import registration
+
 _AGENT_MODULES = ("torch.distributed.run", "torch.distributed.launch")
-#: The rank this process claimed at start-up ($RANK, else 0), or None for a descendant of a rank.
-RANK: int | None = None
 
 
 def is_torchrun_agent(argv: list[str]) -> bool:
@@ -84,12 +84,11 @@ def boot() -> None:
     if is_torchrun_agent(sys.orig_argv):
         _after_torch(_count_gpus_in_agent)
         return
-    global RANK
     if "MIRAGE_RANK_PID" not in os.environ:
         os.environ["MIRAGE_RANK_PID"] = str(os.getpid())
         from shim.output import arm_stack_dumps, capture
 
-        RANK = int(os.environ.get("RANK", "0"))
-        capture(os.environ["MIRAGE_RUN_DIR"], RANK)
-        arm_stack_dumps(os.environ["MIRAGE_RUN_DIR"], RANK)
+        rank = registration.RANK = int(os.environ.get("RANK", "0"))
+        capture(os.environ["MIRAGE_RUN_DIR"], rank)
+        arm_stack_dumps(os.environ["MIRAGE_RUN_DIR"], rank)
     _after_torch(_activate)

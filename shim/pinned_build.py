@@ -45,7 +45,7 @@ GUARD_SOURCE = Path(__file__).with_name("device_guard.cpp")
 #: ops' kernels for the Python dispatch key (loaded by ``shim/fast_dispatch.py``); unlike the two
 #: above it calls into Python, so it needs Python's headers and libtorch_python
 FAST_DISPATCH_SOURCE = Path(__file__).with_name("fast_dispatch.cpp")
-#: the collectives' profiler events and DDP's timer (shim/backend.py)
+#: the collectives' profiler events and DDP's timer (shim/comms_profiler.py)
 COMMS_SOURCE = Path(__file__).with_name("comms_native.cpp")
 SOURCES = (SOURCE, GUARD_SOURCE, FAST_DISPATCH_SOURCE, COMMS_SOURCE)
 

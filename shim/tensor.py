@@ -16,6 +16,7 @@ import torch
 
 from shim import device as dev
 from shim import attention, deferred, rng
+from shim.functional import functional_collective
 from shim.memory import ALLOCATOR
 
 BACKEND = dev.BACKEND  # must be registered before this module is imported
@@ -274,8 +275,6 @@ def _dispatch(func, plan: _Plan, args, kwargs):
     elif kind == _DROPOUT_BACKWARD:
         out = _native_dropout_backward(*uargs, **ukwargs)
     elif kind == _COLLECTIVE:
-        from shim.backend import functional_collective
-
         out = functional_collective(func, uargs, ukwargs, out_gpu)
     else:  # _RANDOM
         out = rng.call_random(func, tuple(uargs), ukwargs, out_gpu)

@@ -25,6 +25,7 @@ from urllib.parse import parse_qs, urlparse
 import torch.distributed.distributed_c10d as c10d
 
 from emulator import schema as s
+from shim.call_site import call_site
 
 #: How many worlds this process formed under each rendezvous address: the ranks of one world
 #: agree on the count, and a world formed again (after ``destroy_process_group``) is a new one.
@@ -52,11 +53,10 @@ def install() -> None:
         address, rank, size = found
         world = f"{address} #{next(_formed.setdefault(address, itertools.count(1)))}"
         _claim(rank)
-        from shim.backend import _call_site
         from shim.client import client
 
         note = functools.partial(s.WorldFormation, world=world, rank=rank, size=size, pid=os.getpid(),
-                                 site=_call_site())
+                                 site=call_site())
         client().request(note(phase=s.WorldPhase.JOINING))
         try:
             result = original(*args, **kwargs)
@@ -101,16 +101,15 @@ def _world_of(init_method, store, rank: int, world_size: int) -> tuple[str, int,
 
 def _claim(rank: int) -> None:
     """Make this process rank ``rank``: its output, stack dumps and registration (if it is not already)."""
-    from shim import bootstrap
-    from shim.activate import register_rank
+    from shim import registration
     from shim.output import arm_stack_dumps, capture
 
     pid = str(os.getpid())
-    if bootstrap.RANK == rank and os.environ.get("MIRAGE_RANK_PID") == pid:
+    if registration.RANK == rank and os.environ.get("MIRAGE_RANK_PID") == pid:
         return
-    bootstrap.RANK = rank
+    registration.RANK = rank
     os.environ["MIRAGE_RANK_PID"] = pid  # its own children (DataLoader workers) are its descendants
     run_dir = os.environ["MIRAGE_RUN_DIR"]
     capture(run_dir, rank)
     arm_stack_dumps(run_dir, rank)
-    register_rank(rank)
+    registration.register_rank(rank)

@@ -1,0 +1,22 @@
+"""Which rank this process is, and telling the daemon so (the console names ranks by pid from this)."""
+
+from __future__ import annotations
+
+import os
+
+#: The rank this process claimed: at start-up ($RANK, else 0; ``shim.bootstrap``), or when it
+#: formed a world of its own (``shim.world``); None for a descendant of a rank that has not.
+RANK: int | None = None
+
+
+def register_rank(rank: int) -> None:
+    """Announce this process to the daemon as global rank ``rank`` and report its GPU memory under it."""
+    if os.environ.get("MIRAGE_IN_PROCESS") == "1" or "MIRAGE_ENDPOINT" not in os.environ:
+        return
+    from emulator.schema import Hello
+    from shim import memory
+    from shim.client import client
+
+    node = int(os.environ.get("MIRAGE_NODE_RANK", "0"))
+    client().request(Hello(rank=rank, node=node, pid=os.getpid()))
+    memory.start_reporter(rank, node)
