@@ -12,6 +12,7 @@ its module's GPU.
 from __future__ import annotations
 
 import functools
+import weakref
 from datetime import timedelta
 
 import torch
@@ -131,6 +132,31 @@ def _on_module_gpu(method):
     return run
 
 
+#: the Work each DDP reducer was last handed by ``Join`` (see ``_keeping_join_work``), dropped with the reducer
+_JOIN_WORK: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _keeping_join_work(set_handle):
+    """``Reducer._set_forward_pass_work_handle`` keeping the Python object of the Work it is handed alive.
+
+    Under ``Join``, DDP's forward hands the reducer its join all-reduce's Work,
+    which here is a Python ``dist.Work`` (``comm_stream.CollectiveWork``); the reducer
+    keeps only the C++ half and, with ``divide_by_initial_world_size=False``,
+    waits on it in backward. Once Python has dropped the object, that C++ half
+    no longer finds our ``wait``/``get_future`` and falls back to c10d's base
+    ``Work::wait``, which nothing ever completes: backward hung at the first
+    step. NCCL's Work is C++ through and through; ours lives as long as the
+    reducer holds it (until the next forward replaces it, or the reducer dies).
+    """
+
+    @functools.wraps(set_handle)
+    def set_forward_pass_work_handle(reducer, work, *args, **kwargs):
+        _JOIN_WORK[reducer] = work
+        return set_handle(reducer, work, *args, **kwargs)
+
+    return set_forward_pass_work_handle
+
+
 def _finalizing(destroy):
     """``destroy_process_group`` completing the group's posted collectives first (all of them for the
     world), as ``ncclCommFinalize`` does: nothing the daemon may still read is let go under it."""
@@ -209,6 +235,8 @@ def install() -> None:
     ddp.__init__ = _on_module_gpu(ddp.__init__)
     ddp.forward = _on_module_gpu(ddp.forward)
     ddp.__setstate__ = _on_module_gpu(ddp.__setstate__)  # a pickled DDP builds its reducer again
+    reducer = torch._C._distributed_c10d.Reducer
+    reducer._set_forward_pass_work_handle = _keeping_join_work(reducer._set_forward_pass_work_handle)
     if pinned.NATIVE_ERROR is not None:
         ddp.__init__ = _refuse_unused_parameters(ddp.__init__)
     c10d._new_process_group_helper = new_process_group_helper

@@ -264,7 +264,14 @@ class MirageProcessGroup(dist.ProcessGroup):
 
     @_cpu_via_gloo
     @prof.profiled("nccl:all_reduce", "allreduce", 0)
-    def allreduce(self, tensors, opts=None):
+    def allreduce(self, tensors, opts=None, op=None):
+        # c10d's other overloads, allreduce(tensor[s], op=SUM): DDP's Join hook calls pg.allreduce(tensor)
+        if isinstance(tensors, torch.Tensor):
+            tensors = [tensors]
+        if op is not None or isinstance(opts, dist.ReduceOp):
+            reduce_op = opts if op is None else op
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = reduce_op
         red = _reduction(opts)
         for t in tensors:
             elem = _flat(t)

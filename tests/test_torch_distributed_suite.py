@@ -4,7 +4,8 @@
 The whole selection (every ``*_cuda`` and DDP test) is ``python bench/distributed_suite.py``;
 its table is in docs/compatibility.md. These few cover what this project fixed for it: the
 profiler's collective events (``call_dist_op`` counts them, checks they are async and their
-input shapes), DDP's runtime logging data, and plain DDP training compared on every rank.
+input shapes), DDP's runtime logging data, plain DDP training compared on every rank, and DDP's
+``Join`` over uneven inputs.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ SUBSET = [
     "test_all_gather_cuda",  # profiler: "nccl:all_gather", shapes
     "test_ddp_logging_data_gpu",  # DDP's forward / backward / communication times
     "test_DistributedDataParallel_requires_grad",
+    "test_ddp_grad_div_uneven_inputs",  # Join: the reducer waits on Join's all-reduce Work in backward
 ]
 
 

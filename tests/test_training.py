@@ -164,6 +164,22 @@ def test_ddp_reports_its_times_as_on_a_gpu(tmp_path):
     assert "Time stats are currently only collected" not in r.stdout + r.stderr
 
 
+def test_ddp_join_over_uneven_inputs_matches_gloo(tmp_path):
+    """DDP's ``join()`` with rank 0 out of batches first (PyTorch's DistributedTest ``test_ddp_uneven_inputs``,
+    ``test_ddp_grad_div_uneven_inputs``): gradients divided by the ranks still training (the reducer waits
+    on Join's Work in backward, a Python Work only C++ holds) and the joined rank's map of used parameters
+    all-reduced with ``pg.allreduce(tensor)`` (c10d's single-tensor overload); the weights end equal on
+    both ranks and to CPU + gloo's."""
+    steps = 5
+    r = mirage_run(tmp_path, "--gpus-per-node", "2", "--", "torchrun", "--standalone", "--nproc_per_node=2",
+                   str(FIXTURES / "ddp_join_uneven.py"), steps=steps)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "[0] ddp_join_uneven_ok" in r.stdout.splitlines()
+    cpu = run_on_cpu(str(FIXTURES / "ddp_join_uneven.py"), nprocs=2, steps=steps)
+    assert_same_figures(r.stdout, cpu, rel=1e-6)
+    assert {what for _, what in figures(r.stdout)} == {"checksum grad_div", "checksum unused"}
+
+
 @pytest.mark.parametrize("mode", ["destroy", "exit"])
 def test_collectives_in_flight_complete_before_a_rank_lets_go(tmp_path, mode):
     """A rank that leaves hundreds of collectives unwaited (as FSDP2's full-state-dict gathers do) and then
