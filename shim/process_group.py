@@ -30,6 +30,7 @@ from shim import comm_stream as stream
 from shim import comms_profiler as prof
 from shim import device as dev
 from shim import fault_injection
+from shim.call_forms import c10d_forms
 from shim.call_site import call_site
 from shim.comm_stream import Pending, P2PWork
 from shim.functional import host_gpu
@@ -262,16 +263,10 @@ class MirageProcessGroup(dist.ProcessGroup):
         """The work of the call that just posted its collectives: complete through the newest."""
         return stream.work_of(result)
 
+    @c10d_forms
     @_cpu_via_gloo
     @prof.profiled("nccl:all_reduce", "allreduce", 0)
-    def allreduce(self, tensors, opts=None, op=None):
-        # c10d's other overloads, allreduce(tensor[s], op=SUM): DDP's Join hook calls pg.allreduce(tensor)
-        if isinstance(tensors, torch.Tensor):
-            tensors = [tensors]
-        if op is not None or isinstance(opts, dist.ReduceOp):
-            reduce_op = opts if op is None else op
-            opts = dist.AllreduceOptions()
-            opts.reduceOp = reduce_op
+    def allreduce(self, tensors, opts=None):
         red = _reduction(opts)
         for t in tensors:
             elem = _flat(t)
@@ -279,6 +274,7 @@ class MirageProcessGroup(dist.ProcessGroup):
                       **red)
         return self._done(tensors)
 
+    @c10d_forms
     @_cpu_via_gloo
     @prof.profiled("nccl:broadcast", "broadcast", 0)
     def broadcast(self, tensors, opts=None):
@@ -290,6 +286,7 @@ class MirageProcessGroup(dist.ProcessGroup):
                       root=root, device=_gpu(t), stage=mine, owner=t)
         return self._done(tensors)
 
+    @c10d_forms
     @_cpu_via_gloo
     @prof.profiled("nccl:all_gather", "all_gather", 1, 0)
     def allgather(self, output_lists, inputs, opts=None):
@@ -322,6 +319,7 @@ class MirageProcessGroup(dist.ProcessGroup):
                   device=_gpu(input), **_reduction(opts))
         return self._done([output])
 
+    @c10d_forms
     @_cpu_via_gloo
     @prof.profiled("nccl:reduce", "reduce", 0)
     def reduce(self, tensors, opts=None):
@@ -334,6 +332,7 @@ class MirageProcessGroup(dist.ProcessGroup):
                       _into(elem) if mine else None, root=root, device=_gpu(t), **_reduction(opts))
         return self._done(tensors)
 
+    @c10d_forms
     @_cpu_via_gloo
     @prof.profiled("nccl:gather", "gather", 1, 0)
     def gather(self, output_lists, inputs, opts=None):
@@ -347,6 +346,7 @@ class MirageProcessGroup(dist.ProcessGroup):
                   _into_each(outs) if outs else None, root=root, device=_gpu(inputs[0]))
         return self._done(output_lists)
 
+    @c10d_forms
     @_cpu_via_gloo
     @prof.profiled("nccl:scatter", "scatter", 1, 0)
     def scatter(self, outputs, input_lists, opts=None):
@@ -361,6 +361,7 @@ class MirageProcessGroup(dist.ProcessGroup):
                   device=_gpu(outputs[0]), stage=bool(sources), numel=out.numel())
         return self._done(outputs)
 
+    @c10d_forms
     @_cpu_via_gloo
     @prof.profiled("nccl:reduce_scatter", "reduce_scatter", 1, 0)
     def reduce_scatter(self, outputs, input_lists, opts=None):
@@ -460,6 +461,7 @@ class MirageProcessGroup(dist.ProcessGroup):
     all_gather_single = _allgather_base
     reduce_scatter_single = _reduce_scatter_base
 
+    @c10d_forms
     @prof.profiled("nccl:all_reduce", "barrier", 1)
     def barrier(self, opts=None):
         self._run(s.CollOp.BARRIER, [], 0, torch.float32)
