@@ -45,6 +45,8 @@ class Profile:
     clock_mhz: int
     fp16_tflops: float  # FP16/BF16, dense
     fp8_tflops: float  # dense
+    fp32_tflops: float  # FP32 vector
+    fp64_tflops: float  # FP64 vector
     hbm_bytes: int  # what torch reports as total_memory
     hbm_type: str
     hbm_tbps: float
