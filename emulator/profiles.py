@@ -51,7 +51,9 @@ class Profile:
     hbm_type: str
     hbm_tbps: float
     xgmi_links: int
-    xgmi_gbps_per_link: float
+    xgmi_gbps_per_link: float  # GB/s per link per direction
+    nic_gbps: float  # scale-out NIC line rate per GPU, Gbit/s (one NIC per GPU)
+    nic_latency_us: float  # one inter-node step of a collective (NIC, fabric, proxy), LL protocol
     pci_device_id: str  # "vendor:device", hex
     board_power_w: int
 

@@ -1,0 +1,148 @@
+"""Clocked mode's compute model (shim/roofline.py) against AMD's published GEMM throughput.
+
+    python bench/clocked_compute.py
+
+For each GPU with a published figure, prints the model's time and achieved TFLOPs for the GEMMs
+AMD measured with hipBLASLt, next to AMD's figure and the error, then large square BF16 GEMMs
+(model only), then memory-bound ops whose time should follow their bytes. Exits 1 if a published
+GEMM is off by more than MAX_ERROR (issue #16's target). Runs on meta tensors: nothing is computed.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from emulator.profiles import load_profile  # noqa: E402
+from shim.roofline import KERNEL_LAUNCH_S, OpCost, op_cost, peak_and_efficiency  # noqa: E402
+
+MAX_ERROR = 0.15
+
+SOURCE = (
+    "AMD, 'Measuring Max-Achievable FLOPs - Part 2', ROCm blog, 28 Feb 2025, Table 1 "
+    "(rocm.blogs.amd.com/software-tools-optimization/measuring-max-achievable-flops-part2/README.html)"
+)
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fnuz}
+
+
+@dataclass(frozen=True)
+class Published:
+    """One achieved GEMM throughput AMD published: hipblaslt-bench, M×N×K, NN, cold caches."""
+
+    profile: str
+    dtype: str
+    m: int
+    n: int
+    k: int
+    tflops: float
+
+
+# Table 1 of SOURCE; the sizes are its Appendix B's hipblaslt-bench command lines.
+PUBLISHED = (
+    Published("mi300x", "bf16", 4096, 4864, 32896, 708.0),
+    Published("mi300x", "fp16", 4096, 4864, 32896, 654.0),
+    Published("mi300x", "fp8", 4096, 3648, 32896, 1273.0),
+    Published("mi325x", "bf16", 4096, 4864, 32896, 843.0),
+    Published("mi325x", "fp16", 4096, 4864, 32896, 794.0),
+    Published("mi325x", "fp8", 4096, 3648, 32896, 1519.0),
+)
+
+
+@dataclass(frozen=True)
+class GemmRow:
+    """The model against one published figure."""
+
+    published: Published
+    cost: OpCost
+
+    @property
+    def model_tflops(self) -> float:
+        """The throughput the model gives this GEMM."""
+        return self.cost.flops / self.cost.seconds / 1e12
+
+    @property
+    def error(self) -> float:
+        """(model − published) / published, on throughput."""
+        return self.model_tflops / self.published.tflops - 1
+
+
+def gemm_cost(profile: str, dtype: torch.dtype, m: int, n: int, k: int) -> OpCost:
+    """The model's cost of an M×K by K×N ``aten.mm`` in ``dtype`` on ``profile``'s GPU."""
+    a = torch.empty(m, k, dtype=dtype, device="meta")
+    b = torch.empty(k, n, dtype=dtype, device="meta")
+    return op_cost(torch.ops.aten.mm.default, (a, b), {}, torch.mm(a, b), load_profile(profile))
+
+
+def fitted_efficiency(dtype: str) -> float:
+    """The compute efficiency the published figures give ``dtype``: the geometric mean of achieved / peak."""
+    ratios = []
+    for p in PUBLISHED:
+        if p.dtype == dtype:
+            peak, _ = peak_and_efficiency(load_profile(p.profile), _DTYPES[dtype])
+            ratios.append(p.tflops * 1e12 / peak)
+    return math.exp(sum(map(math.log, ratios)) / len(ratios))
+
+
+def gemm_rows() -> list[GemmRow]:
+    """The model against every published GEMM figure."""
+    return [GemmRow(p, gemm_cost(p.profile, _DTYPES[p.dtype], p.m, p.n, p.k)) for p in PUBLISHED]
+
+
+def _memory_rows(profile: str) -> list[tuple[str, OpCost]]:
+    prof = load_profile(profile)
+    rows = []
+    for n in (1 << 24, 1 << 26, 1 << 28):
+        x = torch.empty(n, dtype=torch.bfloat16, device="meta")
+        y = torch.empty(n, dtype=torch.bfloat16, device="meta")
+        rows.append((f"add bf16 [{n}]", op_cost(torch.ops.aten.add.Tensor, (x, y), {}, x + y, prof)))
+    hidden = 8192
+    w = torch.empty(hidden, dtype=torch.bfloat16, device="meta")
+    for tokens in (4096, 16384, 65536):
+        x = torch.empty(tokens, hidden, dtype=torch.bfloat16, device="meta")
+        args = (x, [hidden], w, w, 1e-5)
+        out = torch.ops.aten.native_layer_norm.default(*args)
+        rows.append((f"layer_norm bf16 [{tokens}, {hidden}]", op_cost(torch.ops.aten.native_layer_norm.default,
+                                                                      args, {}, out, prof)))
+    return rows
+
+
+def main() -> int:
+    """Print the tables; 1 if a published GEMM is off by more than MAX_ERROR."""
+    rows = gemm_rows()
+    print(f"Published: {SOURCE}\n")
+    print(f"{'GPU':7s} {'dtype':5s} {'M×N×K':>20s} {'model ms':>9s} {'model TF':>9s} {'AMD TF':>7s} {'error':>7s}")
+    for r in rows:
+        p = r.published
+        print(f"{p.profile:7s} {p.dtype:5s} {f'{p.m}×{p.n}×{p.k}':>20s} {r.cost.seconds * 1e3:9.3f} "
+              f"{r.model_tflops:9.1f} {p.tflops:7.1f} {r.error:+7.1%}")
+    print("\nefficiency fitted from the figures (geometric mean of achieved/peak): "
+          + ", ".join(f"{d} {fitted_efficiency(d):.3f}" for d in _DTYPES))
+
+    print(f"\n{'GPU':7s} {'bf16 GEMM (model only)':>22s} {'ms':>9s} {'TF':>9s}")
+    for profile in sorted({p.profile for p in PUBLISHED}):
+        for s in (8192, 16384):
+            c = gemm_cost(profile, torch.bfloat16, s, s, s)
+            print(f"{profile:7s} {f'{s}³':>22s} {c.seconds * 1e3:9.3f} {c.flops / c.seconds / 1e12:9.1f}")
+
+    print(f"\nmemory-bound ops on mi300x (time less the {KERNEL_LAUNCH_S * 1e6:.0f} µs launch, per byte):")
+    print(f"{'op':30s} {'MB':>9s} {'µs':>9s} {'GB/s':>7s} {'bound':>10s}")
+    for name, c in _memory_rows("mi300x"):
+        gbps = c.bytes / (c.seconds - KERNEL_LAUNCH_S) / 1e9
+        print(f"{name:30s} {c.bytes / 1e6:9.1f} {c.seconds * 1e6:9.1f} {gbps:7.0f} {c.bound:>10s}")
+
+    worst = max(rows, key=lambda r: abs(r.error))
+    print(f"\nworst GEMM error {worst.error:+.1%} ({worst.published.profile} {worst.published.dtype}); "
+          f"target ±{MAX_ERROR:.0%}")
+    return 1 if abs(worst.error) > MAX_ERROR else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
