@@ -1,7 +1,8 @@
 """GPU profiles: the figures of each emulated AMD Instinct model.
 
 A profile is data, not code: one TOML file per model in ``emulator/profiles/``,
-so adding a model never touches Python. Everything that reports a device
+so adding a model never touches Python. Users add their own beside the built-ins
+in ``$XDG_CONFIG_HOME/mirage/profiles/`` (default ``~/.config/mirage/profiles``). Everything that reports a device
 property (the shim's ``torch.cuda.get_device_properties``, the cost model, the
 console) reads it from a :class:`Profile`. This module must not import torch:
 the daemon loads profiles too.
@@ -10,6 +11,10 @@ the daemon loads profiles too.
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
+import os
+import re
 import tomllib
 import typing
 from dataclasses import dataclass
@@ -66,6 +71,20 @@ class Profile:
 _FIELD_TYPES: dict[str, type] = typing.get_type_hints(Profile)
 
 
+def _typed(field: str, value: object) -> object:
+    """``value`` as ``Profile.field`` holds it; raise :class:`ProfileError` (without a file) if it cannot be."""
+    if field not in _FIELD_TYPES:
+        raise ProfileError(f"unknown field {field!r}")
+    want = _FIELD_TYPES[field]
+    # TOML writes 8 for 8.0; accept an integer where a float is wanted, but
+    # never a bool where a number is (bool is an int subclass in Python).
+    if want is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, want) or isinstance(value, bool):
+        raise ProfileError(f"field {field!r} must be {want.__name__}, got {type(value).__name__}")
+    return value
+
+
 def _from_file(path: Path) -> Profile:
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
@@ -75,16 +94,10 @@ def _from_file(path: Path) -> Profile:
     for f in dataclasses.fields(Profile):
         if f.name not in data:
             raise ProfileError(f"{path}: missing field {f.name!r}")
-        want, value = _FIELD_TYPES[f.name], data[f.name]
-        # TOML writes 8 for 8.0; accept an integer where a float is wanted, but
-        # never a bool where a number is (bool is an int subclass in Python).
-        if want is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if not isinstance(value, want) or isinstance(value, bool):
-            raise ProfileError(
-                f"{path}: field {f.name!r} must be {want.__name__}, got {type(value).__name__}"
-            )
-        values[f.name] = value
+        try:
+            values[f.name] = _typed(f.name, data[f.name])
+        except ProfileError as e:
+            raise ProfileError(f"{path}: {e}") from None
     unknown = sorted(set(data) - set(values))
     if unknown:
         # A misspelt key would otherwise be silently ignored.
@@ -92,28 +105,136 @@ def _from_file(path: Path) -> Profile:
     return Profile(**values)  # type: ignore[arg-type]
 
 
-def profile_names() -> list[str]:
+def user_profile_dir() -> Path:
+    """Where user profiles live: ``$XDG_CONFIG_HOME/mirage/profiles``, default ``~/.config/mirage/profiles``."""
+    base = os.environ.get("XDG_CONFIG_HOME", "")
+    # the XDG spec: a relative XDG_CONFIG_HOME is invalid and must be ignored
+    root = Path(base) if os.path.isabs(base) else Path.home() / ".config"
+    return root / "mirage" / "profiles"
+
+
+def builtin_names() -> list[str]:
     """Names of the bundled profiles, sorted."""
     return sorted(p.stem for p in PROFILE_DIR.glob("*.toml"))
 
 
+def user_profile_files() -> dict[str, Path]:
+    """The user profiles, name (the file's stem, lower-cased) to file, sorted by name.
+
+    Raises :class:`ProfileError` for a file named like a built-in: it would
+    silently change what that name means in every run.
+    """
+    builtins = set(builtin_names())
+    files: dict[str, Path] = {}
+    for path in sorted(user_profile_dir().glob("*.toml")):
+        name = path.stem.lower()
+        if name in builtins:
+            raise ProfileError(f"{path}: a user profile may not shadow the built-in profile {name!r}; rename the file")
+        files[name] = path
+    return files
+
+
+def profile_names() -> list[str]:
+    """Names of every profile, built-in and user, sorted."""
+    return sorted([*builtin_names(), *user_profile_files()])
+
+
+def profile_path(name: str) -> Path:
+    """The file the profile ``name`` (case-insensitive) or ``.toml`` path loads from.
+
+    Raises :class:`ProfileError` for an unknown name, naming the valid choices.
+    """
+    if name.endswith(".toml"):
+        return Path(name)
+    key = name.lower()
+    user = user_profile_files()  # first: a user file shadowing a built-in is an error even for the built-in
+    if key in builtin_names():
+        return PROFILE_DIR / f"{key}.toml"
+    if key in user:
+        return user[key]
+    raise ProfileError(f"unknown profile {name!r}; choose one of: {', '.join(profile_names())}")
+
+
 def list_profiles() -> list[Profile]:
-    """Every bundled profile, sorted by name."""
-    return [_from_file(PROFILE_DIR / f"{name}.toml") for name in profile_names()]
+    """Every profile, built-in and user, sorted by name."""
+    return [load_profile(name) for name in profile_names()]
 
 
 def load_profile(name: str) -> Profile:
-    """Load the bundled profile ``name`` (case-insensitive) or a ``.toml`` file path.
+    """Load the profile ``name`` (built-in or user, case-insensitive) or a ``.toml`` file path.
 
     Raises :class:`ProfileError` for an unknown name, naming the valid choices,
     or for a malformed file, naming the file and the field.
     """
-    if name.endswith(".toml"):
-        return _from_file(Path(name))
-    names = profile_names()
-    if name.lower() not in names:
-        raise ProfileError(f"unknown profile {name!r}; choose one of: {', '.join(names)}")
-    return _from_file(PROFILE_DIR / f"{name.lower()}.toml")
+    path = profile_path(name)
+    profile = _from_file(path)
+    if not name.endswith(".toml") and profile.name != path.stem.lower():
+        # the name a run was asked for must be the one its devices report
+        raise ProfileError(f"{path}: field 'name' is {profile.name!r}, but the file is named for {path.stem.lower()!r}")
+    return profile
+
+
+#: A name ``create_user_profile`` accepts: what a user can type and a file system keeps.
+_NAME = re.compile(r"[a-z][a-z0-9_-]{0,63}\Z")
+
+
+def profile_values(profile: Profile) -> dict[str, object]:
+    """``profile``'s fields, in file order, as the TOML has them."""
+    return {f.name: getattr(profile, f.name) for f in dataclasses.fields(Profile)}
+
+
+def parse_field(field: str, text: str) -> object:
+    """``text`` from a command line as a value of ``Profile.field``; raise :class:`ProfileError` if it is not one."""
+    if field not in _FIELD_TYPES:
+        raise ProfileError(f"unknown field {field!r}; choose one of: {', '.join(_FIELD_TYPES)}")
+    want = _FIELD_TYPES[field]
+    if want is str:
+        return text
+    try:
+        value = want(text)
+    except ValueError:
+        raise ProfileError(f"field {field!r} must be {want.__name__}, got {text!r}") from None
+    # a data-sheet figure is never negative or infinite; such a value would only break the cost models later
+    if not (math.isfinite(value) and value >= 0):
+        raise ProfileError(f"field {field!r} must be a finite number of at least 0, got {text!r}")
+    return value
+
+
+def _toml_value(value: object) -> str:
+    # json's string escapes are valid TOML basic-string escapes; repr of an int or float is a TOML number
+    return json.dumps(value, ensure_ascii=False) if isinstance(value, str) else repr(value)
+
+
+def create_user_profile(name: str, base: str, overrides: dict[str, object], force: bool = False) -> Path:
+    """Write the user profile ``name``: ``base``'s figures with ``overrides``; return its file.
+
+    Raises :class:`ProfileError` for a name that is not a simple lower-case
+    identifier or is a built-in's, for an unknown base or field, a value of the
+    wrong type, or an existing file without ``force``.
+    """
+    if not _NAME.match(name):
+        raise ProfileError(
+            f"a profile name is a lower-case letter, then letters, digits, '-' or '_' (64 at most), got {name!r}"
+        )
+    if name in builtin_names():
+        raise ProfileError(f"{name!r} is a built-in profile; choose another name")
+    if "name" in overrides:
+        raise ProfileError("field 'name' is the new profile's NAME; set it there")
+    source = load_profile(base)
+    values = profile_values(source) | {field: _typed(field, value) for field, value in overrides.items()}
+    values["name"] = name
+    path = user_profile_dir() / f"{name}.toml"
+    if path.exists() and not force:
+        raise ProfileError(f"{path} already exists; pass --force to overwrite it")
+    changed = ", ".join(f"{k} = {_toml_value(v)}" for k, v in overrides.items()) or "nothing"
+    lines = [
+        f"# mirage user profile {name!r}, made by 'mirage profiles create' from {source.name!r} ({source.product}).",
+        f"# Changed: {changed}.",
+        *(f"{k} = {_toml_value(v)}" for k, v in values.items()),
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
 
 
 def bus_id(device: int) -> str:

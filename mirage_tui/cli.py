@@ -10,13 +10,29 @@ so this module imports the runner (and any UI) lazily.
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 from emulator import faults
 from emulator.faults import Fault
-from emulator.profiles import DEFAULT_PROFILE, list_profiles
+from emulator.profiles import (
+    DEFAULT_PROFILE,
+    PROFILE_DIR,
+    Profile,
+    ProfileError,
+    create_user_profile,
+    load_profile,
+    parse_field,
+    profile_names,
+    profile_path,
+    profile_values,
+    user_profile_dir,
+)
 from mirage_tui import __version__
 from mirage_tui.topology import (
     DEFAULT_HANG_TIMEOUT_S,
@@ -69,8 +85,8 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
         "--profile",
         default=DEFAULT_PROFILE,
         metavar="NAME",
-        help=f"GPU model to emulate, or a profile .toml file (default: {DEFAULT_PROFILE}; "
-        "see 'mirage profiles')",
+        help=f"GPU model to emulate: a built-in or user profile, or a profile .toml file "
+        f"(default: {DEFAULT_PROFILE}; see 'mirage profiles')",
     )
     parser.add_argument("--num-nodes", type=int, default=1, metavar="N", help="nodes (default: 1)")
     parser.add_argument(
@@ -174,9 +190,26 @@ def _run(topology: Topology) -> int:
     return run_batch(topology)
 
 
-def _print_profiles() -> int:
-    rows = [("", "NAME", "PRODUCT", "GFX", "CUS", "HBM", "FP16 TFLOPS")]
-    for p in list_profiles():
+def _source(path: Path) -> str:
+    """Where the profile file ``path`` comes from: ``built-in``, ``user`` (the user profile directory) or ``file``."""
+    if path.parent == PROFILE_DIR:
+        return "built-in"
+    return "user" if path.parent == user_profile_dir() else "file"
+
+
+def _profile_json(p: Profile, path: Path) -> dict[str, object]:
+    """``p``'s fields as the TOML has them, plus where it comes from (``source``, ``file``)."""
+    return profile_values(p) | {"source": _source(path), "file": str(path)}
+
+
+def _print_profiles(as_json: bool) -> int:
+    """``mirage profiles``: every profile, built-in and user, as a table or a JSON array."""
+    profiles = [(load_profile(name), profile_path(name)) for name in profile_names()]
+    if as_json:
+        print(json.dumps([_profile_json(p, path) for p, path in profiles], indent=2))
+        return 0
+    rows = [("", "NAME", "PRODUCT", "GFX", "CUS", "HBM", "FP16 TFLOPS", "SOURCE")]
+    for p, path in profiles:
         rows.append(
             (
                 "*" if p.name == DEFAULT_PROFILE else "",
@@ -186,6 +219,7 @@ def _print_profiles() -> int:
                 str(p.compute_units),
                 f"{p.hbm_gib:g} GiB {p.hbm_type}",
                 f"{p.fp16_tflops:.1f}",
+                f"user: {path}" if _source(path) == "user" else "built-in",
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
@@ -196,8 +230,61 @@ def _print_profiles() -> int:
             for i, (c, w) in enumerate(zip(row, widths, strict=True))
         ]
         print("  ".join(cells).rstrip())
-    print("* = default")
+    print(f"* = default; user profiles live in {user_profile_dir()} ('mirage profiles create')")
     return 0
+
+
+def _binary_size(n: int) -> str:
+    """``n`` bytes in the largest binary unit that keeps it readable, e.g. ``288 GiB``."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.4g} {unit}"
+    return f"{n} B"
+
+
+def _show_profile(name: str, as_json: bool) -> int:
+    """``mirage profiles show NAME``: every figure of one profile, aligned, or as a JSON object."""
+    p, path = load_profile(name), profile_path(name)
+    if as_json:
+        print(json.dumps(_profile_json(p, path), indent=2))
+        return 0
+    print(f"{p.name}: {_source(path)} profile, {path}")
+    values = profile_values(p)
+    width = max(map(len, values))
+    for field, value in values.items():
+        # bytes are exact in the file; the binary size beside them is what a reader wants
+        gloss = f"  ({_binary_size(value)})" if field.endswith("_bytes") and isinstance(value, int) else ""
+        print(f"  {field.ljust(width)}  {value}{gloss}")
+    return 0
+
+
+def _create_profile(ns: argparse.Namespace) -> int:
+    """``mirage profiles create NAME --from BASE``: write a user profile from BASE with overrides."""
+    overrides: dict[str, object] = {}
+    for item in ns.set:
+        field, sep, text = item.partition("=")
+        if not sep or not field:
+            raise UsageError(f"--set expects FIELD=VALUE, e.g. --set compute_units=128, got {item!r}")
+        overrides[field] = parse_field(field, text)
+    if ns.hbm is not None:
+        if "hbm_bytes" in overrides:
+            raise UsageError("--hbm and --set hbm_bytes=... both set hbm_bytes; give one of them")
+        overrides["hbm_bytes"] = parse_size(ns.hbm)
+    path = create_user_profile(ns.name, ns.base, overrides, force=ns.force)
+    print(f"wrote {path}; use it with 'mirage run --profile {ns.name}'")
+    return 0
+
+
+def _profiles(ns: argparse.Namespace) -> int:
+    """The ``profiles`` commands; a bad profile file or name is a usage error, one line naming it."""
+    try:
+        if ns.profiles_cmd == "show":
+            return _show_profile(ns.name, ns.json)
+        if ns.profiles_cmd == "create":
+            return _create_profile(ns)
+        return _print_profiles(ns.json)
+    except ProfileError as e:
+        raise UsageError(str(e)) from None
 
 
 def _dispatch(
@@ -216,6 +303,11 @@ def _dispatch(
     except UsageError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return COMMAND_NOT_FOUND_EXIT if isinstance(e, CommandNotFound) else USAGE_EXIT
+    except BrokenPipeError:
+        # the reader stopped early (``mirage profiles show X | head``): end quietly, as a tool killed by
+        # SIGPIPE would, and keep the interpreter's final flush from raising again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 def _print_status(run_dir: str | None, log_dir: str | None, fr_dump: bool) -> int:
@@ -257,7 +349,7 @@ def _mirage(ns: argparse.Namespace, command: tuple[str, ...] | None) -> int:
     if ns.cmd == "profiles":
         if command is not None:
             raise UsageError("'mirage profiles' takes no command after --")
-        return _print_profiles()
+        return _profiles(ns)
     if ns.cmd == "status":
         if command is not None:
             raise UsageError("'mirage status' takes no command after --")
@@ -372,7 +464,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_run_flags(run)
-    sub.add_parser("profiles", help="list the GPU models mirage can emulate")
+    _add_profiles_parser(sub)
     status = sub.add_parser("status", help="where every rank is in every communicator, live or after the run")
     status.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help="a run directory (default: the latest run)")
     status.add_argument("--log-dir", metavar="DIR", help="where runs are kept (default: .mirage/runs)")
@@ -381,6 +473,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="also write Flight Recorder dumps (for torch's fr_trace) into RUN_DIR/flight-recorder",
     )
     return _dispatch(parser, argv, _mirage)
+
+
+def _add_profiles_parser(sub: Any) -> None:
+    """``mirage profiles [--json]``, ``profiles show NAME [--json]``, ``profiles create NAME --from BASE ...``."""
+    profiles = sub.add_parser("profiles", help="list the GPU models mirage can emulate (show one, create your own)")
+    profiles.add_argument("--json", action="store_true", help="a JSON array of every profile, for scripts")
+    commands = profiles.add_subparsers(dest="profiles_cmd", metavar="COMMAND")
+    show = commands.add_parser("show", help="every figure of one profile")
+    show.add_argument("name", metavar="NAME", help="a built-in or user profile")
+    # SUPPRESS: 'profiles --json show NAME' must keep the --json given before 'show'
+    show.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="a JSON object, for scripts")
+    create = commands.add_parser(
+        "create",
+        help="write a user profile: a built-in's figures with some changed",
+        description=f"Write {user_profile_dir()}/NAME.toml from BASE's figures with the changes given.",
+    )
+    create.add_argument("name", metavar="NAME", help="the new profile's name: lower-case letters, digits, - and _")
+    create.add_argument("--from", dest="base", required=True, metavar="BASE", help="the profile to start from, e.g. mi350x")
+    create.add_argument("--hbm", metavar="SIZE", help="memory of each GPU, e.g. 96GiB (sets hbm_bytes)")
+    create.add_argument(
+        "--set", action="append", default=[], metavar="FIELD=VALUE",
+        help="any other field, as 'mirage profiles show' names it, e.g. compute_units=128 (repeatable)",
+    )
+    create.add_argument("--force", action="store_true", help="overwrite the user profile NAME if it exists")
 
 
 def _tui_parser() -> _Parser:

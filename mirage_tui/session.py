@@ -29,6 +29,7 @@ from emulator import faults
 from emulator import schema as s
 from emulator.arena import session_segments
 from emulator.daemon import endpoints
+from emulator.profiles import profile_path
 from mirage_tui import diagnosis, flight_recorder, report, rundir
 from mirage_tui.output import RankTail, pump_pipe
 from mirage_tui.runstate import Outcome, RunState
@@ -310,7 +311,9 @@ class Session:
             MIRAGE_HEAD_ADDR="127.0.0.1", MIRAGE_HEAD_PORT=str(master_port),
             MIRAGE_SESSION=self.run.session, MIRAGE_RUN_DIR=self.run.path,
             MIRAGE_ENDPOINT=endpoints(self.run.path)[0], MIRAGE_TOKEN=self.run.token,
-            MIRAGE_PROFILE=topo.profile, MIRAGE_GPUS_PER_NODE=str(topo.gpus_per_node),
+            # the profile's file, not its name: a rank whose environment lost XDG_CONFIG_HOME
+            # (the user's --env, a launcher's) still loads the same user profile
+            MIRAGE_PROFILE=str(profile_path(topo.profile).absolute()), MIRAGE_GPUS_PER_NODE=str(topo.gpus_per_node),
             MIRAGE_NODE_RANK=str(node), MIRAGE_NUM_NODES=str(topo.num_nodes),
         )
         if topo.in_process:

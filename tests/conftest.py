@@ -25,6 +25,10 @@ import time  # noqa: E402
 
 import pytest  # noqa: E402
 
+# The tests see the bundled GPU profiles only: profiles a user made in ~/.config/mirage/profiles
+# would change listings and error messages. An empty folder, which every subprocess inherits.
+os.environ["XDG_CONFIG_HOME"] = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"mirage-test-config-{os.getpid()}")
+
 from orphans import session_processes  # noqa: E402
 
 _RUN_DIR = re.compile(r"^\d{8}-\d{6}-([0-9a-f]{8})$")

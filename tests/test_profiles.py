@@ -15,10 +15,17 @@ from emulator.profiles import (
     list_profiles,
     load_profile,
     profile_names,
+    user_profile_dir,
 )
 
 NAMES = ["mi300x", "mi325x", "mi350x", "mi355x"]
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _no_user_profiles(monkeypatch, tmp_path):
+    """The bundled profiles alone, whatever the user running the tests keeps in ~/.config."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
 
 
 def test_bundled_names():
@@ -149,3 +156,24 @@ def test_profiles_module_does_not_import_torch():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO_ROOT
     )
     assert out.stdout.strip() == "False"
+
+
+def test_user_profile_dir_follows_xdg(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    assert user_profile_dir() == tmp_path / "mirage" / "profiles"
+    # the XDG spec: an unset or relative XDG_CONFIG_HOME means ~/.config
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", "relative")
+    assert user_profile_dir() == tmp_path / "home" / ".config" / "mirage" / "profiles"
+    monkeypatch.delenv("XDG_CONFIG_HOME")
+    assert user_profile_dir() == tmp_path / "home" / ".config" / "mirage" / "profiles"
+
+
+def test_user_profiles_join_the_names(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    folder = tmp_path / "mirage" / "profiles"
+    folder.mkdir(parents=True)
+    (folder / "lab.toml").write_text((PROFILE_DIR / "mi300x.toml").read_text().replace('"mi300x"', '"lab"'))
+    assert profile_names() == sorted([*NAMES, "lab"])
+    assert load_profile("LAB").gfx == "gfx942"
+    assert [p.name for p in list_profiles()] == profile_names()

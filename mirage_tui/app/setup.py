@@ -51,7 +51,7 @@ class PathSuggester(Suggester):
 
 
 def _profile_options(current: str) -> list[tuple[str, str]]:
-    """The bundled profiles, and ``current`` too when it is a profile file."""
+    """The bundled and user profiles, and ``current`` too when it is a profile file."""
     names = profile_names()
     return [(n, n) for n in names] + ([] if current in names else [(current, current)])
 
