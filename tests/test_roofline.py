@@ -2,15 +2,16 @@
 
 import importlib.util
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO_ROOT
 from emulator.profiles import load_profile
 from shim import roofline
 from shim.roofline import op_cost
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
 aten = torch.ops.aten
 MI300X = load_profile("mi300x")
 
