@@ -14,11 +14,13 @@ def main() -> int:
     p.add_argument("--profile", default="mi350x")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=1)
+    p.add_argument("--exec-mode", choices=["functional", "clocked"], default="functional",
+                   help="clocked: time each collective on the profile's GPUs (docs/clocked.md)")
     p.add_argument("--hang-timeout", type=float, default=30.0, help="seconds before a partly joined collective is a hang")
     a = p.parse_args()
     with open(a.token_file) as f:
         token = f.read().strip()
-    return run(a.run_dir, a.session, token, a.profile, a.nodes, a.gpus_per_node, a.hang_timeout)
+    return run(a.run_dir, a.session, token, a.profile, a.nodes, a.gpus_per_node, a.hang_timeout, a.exec_mode)
 
 
 if __name__ == "__main__":

@@ -29,11 +29,13 @@ import zmq
 from emulator import schema as s
 from emulator.arena import Arena, ArenaError, check_name
 from emulator.buffers import RankBuffers
+from emulator.collective_clock import CollectiveClock, Timing
 from emulator.fast_socket import FastSocketServer, is_fast
 from emulator.hang import HangDetector
 from emulator.lifetime import alive, die_with_parent, orphaned, stop_orphans
 from emulator.kernels import DTYPES, KernelError, Segmented, itemsize
 from emulator.ledger import CommError, Communicator, Ledger, Posted, Worlds
+from emulator.profiles import load_profile
 from emulator.scheduler import Job, WaveScheduler, input_elements, make_job, make_p2p_job
 from emulator.straggler import StragglerDetector
 
@@ -53,6 +55,11 @@ REFUSALS_LOGGED = 20
 MAX_COMM_SIZE = 1 << 16
 #: what a MemoryReport passes on, unchanged, as a MemoryUsage event
 _MEMORY_FIELDS = ("rank", "node", "device", "allocated", "reserved", "peak", "total")
+#: what a StepReport passes on, unchanged, as a ClockedStep event
+_STEP_FIELDS = ("rank", "node", "step", "t_start", "t_end", "compute_s", "comm_s", "exposed_comm_s", "ops",
+                "bytes_only_ops")
+#: a functional-mode job's place in emulated time: none
+_UNTIMED = Timing(0.0, 0.0, "")
 #: Frames above this are cut off by ZeroMQ (the connection is dropped) before they are buffered;
 #: request frames between ``schema.MAX_MESSAGE_BYTES`` and this get an error reply. Data frames
 #: (the socket transport) may be this big.
@@ -69,13 +76,16 @@ class Daemon:
     """Serves one session until stopped (SIGTERM, or its parent going away)."""
 
     def __init__(self, run_dir: str, session: str, token: str, profile: str, nodes: int, gpus_per_node: int,
-                 hang_timeout_s: float = 30.0):
+                 hang_timeout_s: float = 30.0, exec_mode: str = "functional"):
         self.session = session
         self.token = token
         self._token_bytes = token.encode()
         self.profile = profile
         self.nodes = nodes
         self.gpus_per_node = gpus_per_node
+        self.exec_mode = exec_mode
+        # clocked mode: each collective's place in emulated time (None: functional mode, no clock)
+        self.clock = CollectiveClock(load_profile(profile)) if exec_mode == "clocked" else None
         # two I/O threads: socket-transport frames from and to different ranks move in parallel (one
         # thread moves about 1.5 GB/s through a unix socket here; two halved a 32 MiB all-reduce's time)
         self.ctx = zmq.Context(io_threads=2)
@@ -241,6 +251,8 @@ class Daemon:
                 self.reply(client, s.Ok(req=msg.req))
                 self.publish(s.WorldStage(world=msg.world, rank=msg.rank, size=msg.size, site=msg.site,
                                           phase=msg.phase))
+            elif isinstance(msg, s.StepReport):  # unanswered: the rank does not wait for its books
+                self.publish(s.ClockedStep(**{f: getattr(msg, f) for f in _STEP_FIELDS}))
             elif isinstance(msg, s.MemoryReport):
                 self.reply(client, s.Ok(req=msg.req))
                 self.publish(s.MemoryUsage(**{f: getattr(msg, f) for f in _MEMORY_FIELDS}))
@@ -281,7 +293,8 @@ class Daemon:
 
     def publish_ready(self) -> None:
         self.publish(
-            s.DaemonReady(pid=os.getpid(), profile=self.profile, nodes=self.nodes, gpus_per_node=self.gpus_per_node)
+            s.DaemonReady(pid=os.getpid(), profile=self.profile, nodes=self.nodes, gpus_per_node=self.gpus_per_node,
+                          exec_mode=self.exec_mode)
         )
 
     def check_payload(self, client: bytes, req: s.Collective, payload) -> None:
@@ -312,7 +325,10 @@ class Daemon:
             return self.refuse_post(client, req, _comm_error(e))
         if pair is not None:
             try:
-                self.scheduler.submit(make_p2p_job(comm, pair, self.arena, self.payload_of))
+                job = make_p2p_job(comm, pair, self.arena, self.payload_of)
+                if self.clock is not None:
+                    job.timing = self.clock.time(comm, pair)
+                self.scheduler.submit(job)
             except (ArenaError, KernelError, OSError) as e:
                 self.fail(comm, CommError("ncclInvalidArgument", str(e)), extra=pair)
 
@@ -350,6 +366,8 @@ class Daemon:
             job = make_job(comm, matched, self.arena, self.payload_of, self.buffers.view)
         except (ArenaError, KernelError, OSError) as e:
             return self.fail(comm, CommError("ncclInvalidArgument", str(e)), extra=matched)
+        if self.clock is not None:
+            job.timing = self.clock.time(comm, matched)
         self.scheduler.submit(job)
         self.publish(s.CollectiveStarted(comm=comm.comm, seq=req.seq, op=req.op, total_bytes=job.total_bytes))
 
@@ -417,9 +435,11 @@ class Daemon:
             traceback.print_exception(job.error)
             err = CommError("ncclInternalError", f"collective #{req.seq} ({req.op.value}) failed in the emulator: {job.error}")
             return self.fail(job.comm, err, extra=job.posted)
+        t = job.timing or _UNTIMED
         if req.op is s.CollOp.SEND:  # point-to-point: no collective sequence to advance
             for p, out in zip(job.posted, job.outputs):
-                self.reply(p.client, s.Done(req=p.request.req, comm=req.comm, seq=req.seq), _sent_back(p, out))
+                self.reply(p.client, s.Done(req=p.request.req, comm=req.comm, seq=req.seq, t_start=t.start,
+                                            t_end=t.end, algo=t.algo), _sent_back(p, out))
                 scratch = self.arenas.pop(p.request.arena, None)  # one buffer per message: done with it
                 if scratch is not None:
                     scratch.close()
@@ -431,12 +451,12 @@ class Daemon:
         for p, out in zip(job.posted, job.outputs):
             # a broadcast's root has its output already: it is the input it sent
             back = None if req.op is s.CollOp.BROADCAST and p.request.rank == req.root else _sent_back(p, out)
-            self.reply(p.client, s.Done(req=p.request.req, comm=req.comm, seq=req.seq, devices=devices, hosts=hosts),
-                       back)
+            self.reply(p.client, s.Done(req=p.request.req, comm=req.comm, seq=req.seq, devices=devices, hosts=hosts,
+                                        t_start=t.start, t_end=t.end, algo=t.algo), back)
         self.publish(
             s.CollectiveCompleted(
                 comm=req.comm, seq=req.seq, op=req.op, total_bytes=job.total_bytes,
-                seconds=time.monotonic() - job.started,
+                seconds=time.monotonic() - job.started, emulated_start=t.start, emulated_end=t.end, algo=t.algo,
             )
         )
 
@@ -539,11 +559,11 @@ def _comm_error(e: CommError | KernelError) -> CommError:
 
 
 def run(run_dir: str, session: str, token: str, profile: str, nodes: int, gpus_per_node: int,
-        hang_timeout_s: float) -> int:
+        hang_timeout_s: float, exec_mode: str = "functional") -> int:
     """Entry point used by ``python -m emulator``."""
     parent = os.getppid()
     die_with_parent()
-    daemon = Daemon(run_dir, session, token, profile, nodes, gpus_per_node, hang_timeout_s)
+    daemon = Daemon(run_dir, session, token, profile, nodes, gpus_per_node, hang_timeout_s, exec_mode)
 
     def stop(signum, frame):
         daemon.running = False

@@ -21,6 +21,7 @@ __all__ = [
     "VERSION", "MAX_MESSAGE_BYTES", "MAX_DATA_FRAME_BYTES", "FAST_SOCKET", "FAST_MAX_MESSAGE_BYTES",
     "STACK_SIGNAL", "SchemaError", "ReduceOp", "CollOp", "Transport", "DIRECT_OPS", "Stream", "Message",
     "Request", "Ping", "Hello", "CommInit", "WorldPhase", "WorldFormation", "MemoryReport", "Collective",
+    "StepReport", "ClockedStep",
     "RegisterBuffer", "ReleaseBuffers", "Reply", "Ok", "Error", "Done", "Event", "DaemonReady",
     "RankRegistered", "RankGone", "MemoryUsage", "CommJoined", "CollectiveEnqueued", "CollectiveStarted",
     "CollectiveProgress", "CollectiveCompleted", "CommFailed", "HangKind", "WorldStage", "HangDetected",
@@ -224,6 +225,26 @@ class Collective(Request):
     # rank to rank (the shim's direct path): the ranks exchange the data through their own shared
     # rings; the daemon matches, checks and publishes it, and answers only with an error
     direct: bool = False
+    # clocked mode: the emulated time (seconds) at which this rank's stream lets the collective
+    # start; the daemon starts it when the last member is ready (0 in functional mode)
+    t_ready: float = 0.0
+
+
+@dataclass(frozen=True)
+class StepReport(Request):
+    """Clocked mode: one optimizer step of one rank in emulated time (unanswered when it arrives)."""
+
+    TYPE: ClassVar[str] = "step_report"
+    rank: int = 0
+    node: int = 0
+    step: int = 0  # 1 for the first optimizer step of the process
+    t_start: float = 0.0  # emulated seconds: the end of the previous step (or of the first op)
+    t_end: float = 0.0  # emulated seconds: when the GPU finished this step's work
+    compute_s: float = 0.0  # time kernels ran on any stream
+    comm_s: float = 0.0  # time collectives ran on the communication streams
+    exposed_comm_s: float = 0.0  # communication time no kernel overlapped
+    ops: int = 0  # kernels modeled in the step
+    bytes_only_ops: int = 0  # of which torch has no FLOP formula for (costed by their bytes)
 
 
 @dataclass(frozen=True)
@@ -282,6 +303,10 @@ class Done(Reply):
     # on a communicator's first collective (NCCL connects its rings then): each rank's GPU and host
     devices: list[int] = field(default_factory=list)
     hosts: list[str] = field(default_factory=list)
+    # clocked mode: when the collective ran in emulated time (seconds) and how RCCL would run it
+    t_start: float = 0.0
+    t_end: float = 0.0
+    algo: str = ""  # "ring/Simple", "tree/LL", ...
 
 
 # ---------------------------------------------------------------- events
@@ -299,6 +324,7 @@ class DaemonReady(Event):
     profile: str = ""
     nodes: int = 1
     gpus_per_node: int = 1
+    exec_mode: str = "functional"  # or "clocked": the run keeps emulated time
 
 
 @dataclass(frozen=True)
@@ -330,6 +356,23 @@ class MemoryUsage(Event):
     reserved: int = 0
     peak: int = 0
     total: int = 0
+
+
+@dataclass(frozen=True)
+class ClockedStep(Event):
+    """A rank's StepReport, as the daemon received it (clocked mode)."""
+
+    TYPE: ClassVar[str] = "clocked_step"
+    rank: int = 0
+    node: int = 0
+    step: int = 0
+    t_start: float = 0.0
+    t_end: float = 0.0
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    exposed_comm_s: float = 0.0
+    ops: int = 0
+    bytes_only_ops: int = 0
 
 
 @dataclass(frozen=True)
@@ -382,6 +425,10 @@ class CollectiveCompleted(Event):
     op: CollOp = CollOp.ALLREDUCE
     total_bytes: int = 0
     seconds: float = 0.0
+    # clocked mode: when it ran in emulated time (seconds from the run's start) and the algorithm
+    emulated_start: float = 0.0
+    emulated_end: float = 0.0
+    algo: str = ""
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import numpy as np
 
 from emulator import kernels
 from emulator.arena import Arena
+from emulator.collective_clock import Timing
 from emulator.ledger import Communicator, Posted
 from emulator.schema import CollOp, Collective, Transport
 
@@ -49,6 +50,7 @@ class Job:
     # the outputs once each: socket-transport ranks of a collective whose outputs are all alike
     # (all-reduce, all-gather, broadcast) share one buffer, written once and sent to each
     targets: list[np.ndarray] = field(default_factory=list)
+    timing: Timing | None = None  # clocked mode: when it runs in emulated time (emulator/collective_clock.py)
 
     def __post_init__(self):
         if not self.targets:

@@ -37,6 +37,7 @@ from mirage_tui import __version__
 from mirage_tui.topology import (
     DEFAULT_HANG_TIMEOUT_S,
     CommandNotFound,
+    ExecMode,
     OnHang,
     Topology,
     UsageError,
@@ -135,6 +136,13 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
         help="after a hang report: stop the run (exit 124) or keep it running for inspection (default: exit)",
     )
     parser.add_argument(
+        "--exec-mode",
+        choices=[m.value for m in ExecMode],
+        default=ExecMode.FUNCTIONAL.value,
+        help="functional: right answers, no notion of time (default); clocked: also keep emulated time "
+        "and predict step times on the profile's GPUs (docs/clocked.md)",
+    )
+    parser.add_argument(
         "--log-dir",
         metavar="DIR",
         help="where to write the run's logs (default: under .mirage/runs)",
@@ -173,6 +181,7 @@ def _topology(ns: argparse.Namespace, command: tuple[str, ...] | None, help_prog
             report=ns.report,
             hbm_bytes=None if ns.hbm is None else parse_size(ns.hbm),
             command=command or (),
+            exec_mode=ExecMode(ns.exec_mode),
         )
         validate(topology)
         check_combination(topology)

@@ -33,7 +33,7 @@ from emulator.profiles import profile_path
 from mirage_tui import diagnosis, flight_recorder, report, rundir
 from mirage_tui.output import RankTail, pump_pipe
 from mirage_tui.runstate import Outcome, RunState
-from mirage_tui.topology import OnHang, Topology
+from mirage_tui.topology import ExecMode, OnHang, Topology
 from shim.bootstrap import is_torchrun_agent
 
 #: How long the other nodes may keep running after one failed.
@@ -252,7 +252,8 @@ class Session:
         self.daemon = subprocess.Popen(
             [sys.executable, "-m", "emulator", "--run-dir", self.run.path, "--session", self.run.session,
              "--token-file", self.run.token_file, "--profile", topo.profile, "--nodes", str(topo.num_nodes),
-             "--gpus-per-node", str(topo.gpus_per_node), "--hang-timeout", str(topo.hang_timeout_s)],
+             "--gpus-per-node", str(topo.gpus_per_node), "--hang-timeout", str(topo.hang_timeout_s),
+             "--exec-mode", topo.exec_mode.value],
             stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=self._daemon_env(),
         )
         log.close()
@@ -318,6 +319,8 @@ class Session:
         )
         if topo.in_process:
             env["MIRAGE_IN_PROCESS"] = "1"
+        if topo.exec_mode is ExecMode.CLOCKED:
+            env["MIRAGE_EXEC_MODE"] = topo.exec_mode.value
         if self.daemon is not None:  # ranks stop waiting for replies once it is gone
             env["MIRAGE_DAEMON_PID"] = str(self.daemon.pid)
         if topo.hbm_bytes is not None:

@@ -35,6 +35,13 @@ class OnHang(str, Enum):
     WAIT = "wait"
 
 
+class ExecMode(str, Enum):
+    """How the emulated GPUs run: right answers only, or right answers on an emulated clock (docs/clocked.md)."""
+
+    FUNCTIONAL = "functional"
+    CLOCKED = "clocked"
+
+
 class UsageError(Exception):
     """A mistake in how mirage was called; the message is one line."""
 
@@ -59,6 +66,7 @@ class Topology:
     report: str | None = None  # --report FILE: the run's JSON report, besides run_dir/report.json
     hbm_bytes: int | None = None  # --hbm: each GPU's memory instead of the profile's (rehearse OOM)
     command: tuple[str, ...] = ()  # the program and its own arguments
+    exec_mode: ExecMode = ExecMode.FUNCTIONAL  # --exec-mode
 
     @property
     def world_gpus(self) -> int:
@@ -128,6 +136,9 @@ def check_combination(topology: Topology) -> None:
     if topology.in_process and topology.on_hang is OnHang.WAIT:
         raise UsageError("--on-hang wait acts on the daemon's hang reports, and --in-process has no daemon; "
                          "drop one of the two")
+    if topology.in_process and topology.exec_mode is ExecMode.CLOCKED:
+        raise UsageError("--exec-mode clocked needs the daemon, which keeps the emulated clock across ranks, "
+                         "and --in-process has none; drop one of the two")
     if topology.report:
         folder = os.path.dirname(os.path.abspath(topology.report))
         if os.path.isdir(topology.report) or not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):

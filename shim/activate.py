@@ -53,6 +53,12 @@ def activate() -> None:
     pinned.install()  # its C++ hooks first: torch keeps the first PrivateUse1 hooks registered
     engine.install()  # and the C++ device guard (the first registered is kept too)
     _setup_privateuseone_for_python_backend(rename=BACKEND, backend_module=_Backend())
+    from shim import clock
+    from shim.device import STATE
+
+    # before anything that registers an exit hook: the rank's trace is written after the collectives
+    # still in flight have completed (exit hooks run last registered first)
+    clock.install(STATE.profile)
     from shim import attention, autocast, cuda, deferred, fast_dispatch, mode, tensor, torch_compile
 
     tensor.register_factories()

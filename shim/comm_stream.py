@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from emulator import schema as s
+from shim import clock
 from shim import comms_profiler as prof
 
 #: Posting and completing collectives, from any thread of the process.
@@ -44,6 +45,7 @@ class Pending:
         self.targets = getattr(deliver, "targets", [])  # what later collectives must not read before delivery
         self.done = False
         self.ring = 0  # rank to rank: its index in the communicator's rings
+        self.t_end = 0.0  # clocked mode: when it ends in emulated time (the daemon's answer)
 
     def ready(self) -> bool:
         """Whether completing it would not block."""
@@ -118,7 +120,10 @@ class CollectiveWork(dist.Work):
     def wait(self, timeout=None) -> bool:
         if prof.listening():
             prof.record_wait(self._last.transport.comm if self._last is not None else None, self._last)
-        return self._complete()
+        self._complete()
+        if clock.CLOCK is not None and self._last is not None:  # the current stream waits for the collective
+            clock.CLOCK.wait_until(self._last.device, self._last.t_end)
+        return True
 
     def _complete(self) -> bool:
         if self._last is not None and not self._last.done:
@@ -162,10 +167,11 @@ class P2PWork(dist.Work):
     """A send or receive in flight (not on the stream: point-to-point is asynchronous in NCCL too);
     ``wait`` blocks until its transport has the message across."""
 
-    def __init__(self, transport, req: int, arena, buf, deliver, device: int, tensors):
+    def __init__(self, transport, req: int, arena, buf, deliver, device: int, tensors, request: s.Collective):
         super().__init__()
         self.transport, self.req, self.arena, self.buf = transport, req, arena, buf
-        self.deliver, self.device, self.tensors = deliver, device, tensors
+        self.deliver, self.device, self.tensors, self.request = deliver, device, tensors, request
+        self.t_end = 0.0  # clocked mode: when it ends in emulated time (the daemon's answer)
         self._done = False
         self._profile = None  # the profiler's open event for this message (``comms_profiler.profiled``)
 
@@ -184,6 +190,8 @@ class P2PWork(dist.Work):
                 self.arena.unlink()
             if self._profile:
                 prof.end(self)
+        if clock.CLOCK is not None:  # the current stream waits for the message
+            clock.CLOCK.wait_until(self.device, self.t_end)
         return True
 
     def is_completed(self) -> bool:

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shim import clock, rng
 from shim import device as dev
-from shim import rng
 from shim.memory import ALLOCATOR
 
 HIP_VERSION = "6.4.43482-0f2d60242"
@@ -177,10 +177,12 @@ class Stream(torch._C.Stream):
         return 0, -1
 
     def wait_stream(self, stream) -> None:
-        pass
+        if clock.CLOCK is not None:  # clocked mode: later kernels here start after that stream's
+            clock.CLOCK.stream_wait(self._gpu, self.stream_id, clock.CLOCK.stream_time(stream._gpu, stream.stream_id))
 
     def wait_event(self, event) -> None:
-        pass
+        if clock.CLOCK is not None and event._emu is not None:
+            clock.CLOCK.stream_wait(self._gpu, self.stream_id, event._emu)
 
     def record_event(self, event=None):
         event = event or Event()
@@ -191,7 +193,8 @@ class Stream(torch._C.Stream):
         return True
 
     def synchronize(self) -> None:
-        pass
+        if clock.CLOCK is not None:
+            clock.CLOCK.host_wait(clock.CLOCK.stream_time(self._gpu, self.stream_id))
 
     def is_capturing(self) -> bool:
         return False  # no CUDA/HIP graphs here
@@ -227,7 +230,8 @@ def _default_stream_of(gpu: int) -> Stream:
 
 
 class Event(torch._C.Event):
-    """Records wall time, so ``elapsed_time`` is real elapsed time between records.
+    """Records wall time, so ``elapsed_time`` is real elapsed time between records; in clocked mode
+    it records emulated time instead (when its stream gets there), as a GPU's event does.
 
     A ``torch.Event``, as a GPU build's ``torch.cuda.Event`` is; every method
     is answered here (kernels have finished when ``record`` returns).
@@ -241,6 +245,7 @@ class Event(torch._C.Event):
         e.interprocess = interprocess
         e._gpu = None if device is None else _index(device)  # set by record(), as on a GPU
         e._t = None
+        e._emu = None  # clocked mode: the emulated time it fires at
         return e
 
     @property
@@ -248,23 +253,30 @@ class Event(torch._C.Event):
         return None if self._gpu is None else torch.device("cuda", self._gpu)
 
     def record(self, stream=None) -> None:  # type: ignore[override]
-        self._gpu = (stream or current_stream(self._gpu)).device_index
+        stream = stream or current_stream(self._gpu)
+        self._gpu = stream.device_index
         self._t = time.perf_counter()
+        if clock.CLOCK is not None:
+            self._emu = clock.CLOCK.stream_time(stream._gpu, stream.stream_id)
 
     def wait(self, stream=None) -> None:  # type: ignore[override]
-        pass
+        if clock.CLOCK is not None:
+            (stream or current_stream(self._gpu)).wait_event(self)
 
     def query(self) -> bool:  # type: ignore[override]
         return True
 
     def synchronize(self) -> None:  # type: ignore[override]
-        pass
+        if clock.CLOCK is not None and self._emu is not None:
+            clock.CLOCK.host_wait(self._emu)
 
     def elapsed_time(self, end_event) -> float:  # type: ignore[override]
         if not (self.enable_timing and end_event.enable_timing):
             raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
         if self._t is None or end_event._t is None:
             raise RuntimeError("Both events must be recorded before calculating elapsed time.")
+        if clock.CLOCK is not None:
+            return (end_event._emu - self._emu) * 1000.0
         return (end_event._t - self._t) * 1000.0
 
     def __repr__(self) -> str:
@@ -361,8 +373,11 @@ class stream(contextlib.AbstractContextManager):  # noqa: N801 - torch's name
 
 
 def synchronize(device=None) -> None:
-    """Wait for the device's kernels: they ran eagerly, so only the device is checked, as the runtime does."""
-    _index(device)
+    """Wait for the device's kernels: they ran eagerly, so only the device is checked, as the runtime does
+    (in clocked mode the host's clock also waits for the device's streams)."""
+    i = _index(device)
+    if clock.CLOCK is not None:
+        clock.CLOCK.host_wait(clock.CLOCK.device_time(i))
 
 
 class _Smi:
@@ -509,9 +524,19 @@ class _Roctx(threading.local):
         pass
 
 
+def _current_stream_id(gpu: int) -> int:
+    """The id of the thread's current stream on ``gpu`` (clocked mode asks for each kernel)."""
+    current = getattr(_current, "streams", None)
+    s = current.get(gpu) if current else None
+    return 0 if s is None else s.stream_id
+
+
 def install() -> None:
     """Replace the CPU build's ``torch.cuda`` answers with the emulated GPUs'."""
     import torch.cuda.nvtx
+
+    if clock.CLOCK is not None:
+        clock.CLOCK.stream_of = _current_stream_id
 
     torch.cuda.nvtx._nvtx = _Roctx()
     c = torch.cuda

@@ -24,7 +24,7 @@ import ctypes
 import torch
 
 from shim import device as dev
-from shim import pinned_build, tensor
+from shim import clock, pinned_build, tensor
 from shim.memory import ALLOCATOR
 from shim.tensor import MirageTensor
 
@@ -93,6 +93,9 @@ def _check_plain(op) -> str:
 def install() -> None:
     """Build (once, cached) and register the kernels; on failure record why in :data:`FAST_DISPATCH_ERROR`."""
     global FAST_DISPATCH_ERROR, _lib
+    if clock.ENABLED:
+        FAST_DISPATCH_ERROR = "clocked mode times every op in Python (--exec-mode clocked)"
+        return
     try:
         views, plain = [_check_view(op) for op in VIEW_OPS], [_check_plain(op) for op in PLAIN_OPS]
         lib = pinned_build.load(pinned_build.FAST_DISPATCH_SOURCE, "the fast dispatch kernels", ctypes.PyDLL)

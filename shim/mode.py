@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.overrides import TorchFunctionMode
 
-from shim import attention, params, pinned
+from shim import attention, clock, params, pinned
 from shim import device as dev
 from shim.tensor import BACKEND, BACKEND_DEVICE, MirageTensor
 
@@ -51,6 +51,8 @@ def _move(t: torch.Tensor, gpu: int, dtype, copy: bool, memory_format) -> torch.
     kw = {"dtype": dtype or t.dtype, "device": BACKEND_DEVICE}
     if memory_format is not None:
         kw["memory_format"] = memory_format
+    if clock.CLOCK is not None and not isinstance(t, MirageTensor):  # clocked mode: a host-to-device copy
+        clock.CLOCK.copy_to_device(gpu, t.numel() * t.element_size())
     with dev.allocating_on(gpu):
         return _aten._to_copy.default(t, **kw)
 

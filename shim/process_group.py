@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from emulator import schema as s
+from shim import clock
 from shim import client as cl
 from shim import comm_stream as stream
 from shim import comms_profiler as prof
@@ -445,6 +446,7 @@ class MirageProcessGroup(dist.ProcessGroup):
             comm=self._comm.id, seq=n, rank=self._comm.rank, op=op, dtype=str(elem.dtype).removeprefix("torch."),
             numel=elem.numel(), out_numel=elem.numel(), device=dev.STATE.physical[_gpu(tensor)], peer=peer,
             site=call_site(),
+            t_ready=0.0 if clock.CLOCK is None else clock.CLOCK.collective_ready(_gpu(tensor), self._comm.id),
         )
         deliver = None if op is s.CollOp.SEND else _into(elem)
         return self._paths.main.post_p2p(request, elem, deliver, _gpu(tensor), tensor)

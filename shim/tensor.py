@@ -15,7 +15,7 @@ import math
 import torch
 
 from shim import device as dev
-from shim import attention, deferred, rng
+from shim import attention, clock, deferred, rng
 from shim.functional import functional_collective
 from shim.memory import ALLOCATOR
 
@@ -127,11 +127,12 @@ class MirageTensor(torch.Tensor):
             plan = _PLANS.get(id(func))  # by id: OpOverload.__hash__ is a Python method
             if plan is None:
                 plan = _PLANS[id(func)] = _Plan(func)  # the plan holds func, so the id stays its own
-            if plan.fast and not kwargs:
-                out = _fast(plan, args)
-                if out is not None:
-                    return out
-            return _dispatch(func, plan, args, kwargs)
+            out = _fast(plan, args) if plan.fast and not kwargs else None
+            if out is None:
+                out = _dispatch(func, plan, args, kwargs)
+            if clock.CLOCK is not None and plan.kind != _COLLECTIVE:  # clocked mode: a kernel takes time
+                clock.CLOCK.charge(func, args, kwargs, out)
+            return out
         except Exception as e:
             if not deferred.in_backward():
                 raise

@@ -39,7 +39,7 @@ from emulator import schema as s
 from emulator.arena import Arena, arena_name
 from shim import client as cl
 from shim import comm_stream as stream
-from shim import direct, nccl_debug
+from shim import clock, direct, nccl_debug
 from shim import device as dev
 from shim import shared_buffers as sb
 from shim.call_site import call_site
@@ -88,6 +88,8 @@ class Call:
     def request(self, comm: Comm, **fields) -> s.Collective:
         """The daemon's request for this call, with the communicator's next sequence number."""
         comm.seq += 1
+        if clock.CLOCK is not None:  # clocked mode: when this rank's stream lets the collective start
+            fields["t_ready"] = clock.CLOCK.collective_ready(self.device, comm.id)
         return s.Collective(
             comm=comm.id, seq=comm.seq, rank=comm.rank, op=self.op, reduce_op=self.reduce_op,
             dtype=str(self.dtype).removeprefix("torch."), numel=self.numel, out_numel=self.out_numel, root=self.root,
@@ -129,7 +131,21 @@ class Transport:
             raise nccl_error(reply.code, reply.message, p.device)
         if isinstance(reply, s.Done) and reply.devices and nccl_debug.enabled():
             nccl_debug.print_init(self.comm.id, self.comm.rank, reply.devices, reply.hosts)
+        if clock.CLOCK is not None and isinstance(reply, s.Done):
+            p.t_end = reply.t_end
+            self.clocked(p.request, reply, p.device, p.targets)
         return reply
+
+    def clocked(self, request: s.Collective, done: s.Done, device: int, outputs) -> None:
+        """Clocked mode: the collective ran on the communicator's stream when the daemon says."""
+        comm = self.comm
+        clock.CLOCK.collective_done(
+            device, comm.id, clock.collective_name(request.op), done.t_start, done.t_end,
+            {"op": request.op.value, "bytes": request.numel * getattr(torch, request.dtype).itemsize,
+             "comm": comm.group_desc or comm.group_name or comm.id, "algo": done.algo, "seq": request.seq,
+             "group_size": comm.size},
+            outputs,
+        )
 
     def watchdog(self, req: s.Collective, waited_s: float) -> dist.DistBackendError:
         return watchdog_timeout(self.comm.rank, self.comm.timeout_s, req, waited_s)
@@ -143,6 +159,9 @@ class Transport:
         reply = self.comm.client.wait(work.req, timeout_s)
         if isinstance(reply, s.Error):
             raise nccl_error(reply.code, reply.message, work.device)
+        if clock.CLOCK is not None:
+            work.t_end = reply.t_end
+            self.clocked(work.request, reply, work.device, work.tensors)
         if work.deliver is not None:
             work.deliver(work.buf)
 
@@ -239,8 +258,9 @@ class ArenaTransport(Transport):
         buf = cl.arena_tensor(arena, 0, elem.numel(), elem.dtype)
         if request.op is s.CollOp.SEND:
             buf.copy_(elem.reshape(-1))
-        req = client.send(dataclasses.replace(request, arena=arena.name))
-        return P2PWork(self, req, arena, buf, deliver, device, [tensor])
+        request = dataclasses.replace(request, arena=arena.name)
+        req = client.send(request)
+        return P2PWork(self, req, arena, buf, deliver, device, [tensor], request)
 
 
 def _payload(inputs: list[torch.Tensor], premul: float | None) -> memoryview | None:
@@ -287,13 +307,17 @@ class SocketTransport(Transport):
     def post_p2p(self, request, elem, deliver, device, tensor) -> P2PWork:
         """The message travels as a data frame, to the daemon and back."""
         payload = _payload([elem], None) if request.op is s.CollOp.SEND else None
-        req = self.comm.client.send(dataclasses.replace(request, transport=s.Transport.SOCKET), payload)
-        return P2PWork(self, req, None, None, deliver, device, [tensor])
+        request = dataclasses.replace(request, transport=s.Transport.SOCKET)
+        req = self.comm.client.send(request, payload)
+        return P2PWork(self, req, None, None, deliver, device, [tensor], request)
 
     def finish_p2p(self, work: P2PWork, timeout_s: float) -> None:
         reply = self.comm.client.wait(work.req, timeout_s)
         if isinstance(reply, s.Error):
             raise nccl_error(reply.code, reply.message, work.device)
+        if clock.CLOCK is not None:
+            work.t_end = reply.t_end
+            self.clocked(work.request, reply, work.device, work.tensors)
         data = self.comm.client.data(work.req)  # a receive's message came with the reply
         if work.deliver is not None:
             t = work.tensors[0]
@@ -415,7 +439,8 @@ class Paths:
             self.main = SocketTransport(comm)
         else:
             self.main = ArenaTransport(comm)
-        ok = data_path == "shm" and comm.client.has_fast and direct.MAX_BYTES > 0
+        # not in clocked mode: the daemon times every collective, so it must match each one
+        ok = data_path == "shm" and comm.client.has_fast and direct.MAX_BYTES > 0 and not clock.ENABLED
         self.direct = DirectTransport(comm) if ok else None
 
     def path(self, call: Call) -> Transport:
