@@ -11,8 +11,8 @@ flagged ``has_formula=False``, so a report can count how much of a run's time is
 allocations launch no kernel and cost nothing.
 
 Only tensor metadata is read (shape, stride, dtype): the function works on meta tensors and on the
-shim's emulated tensors alike and computes nothing heavy. Clocked mode does not call it yet; a later
-increment hooks it into the shim's dispatch. docs/clocked.md ("Compute") has the figures and sources.
+shim's emulated tensors alike and computes nothing heavy. Clocked mode calls it for every op
+(``shim/clock.py``). docs/clocked.md ("Compute") has the figures and sources.
 """
 
 from __future__ import annotations
