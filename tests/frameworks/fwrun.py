@@ -7,12 +7,14 @@ workload itself already failed unless the loss fell and every rank held the same
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from tests.test_run import REPO_ROOT
@@ -28,6 +30,28 @@ def framework_env() -> dict[str, str]:
     env["HF_HUB_OFFLINE"] = "1"
     env["TOKENIZERS_PARALLELISM"] = "false"
     return env
+
+
+def deepspeed_cpu_extensions() -> dict[str, str]:
+    """``TORCH_EXTENSIONS_DIR`` for DeepSpeed's CPU accelerator, its shared-memory op built there.
+
+    DeepSpeed's CPU backend JIT-builds ``deepspeed_shm_comm`` under torch's FileBaton, a plain
+    ``lock`` file that a process killed while holding it leaves behind: every later run then
+    waits on it forever. The build lives in this checkout's venv, made once under a kernel lock
+    (released when its holder dies), and a baton older than a minute found while holding that
+    lock is stale (a current build holds it for well under a second) and removed.
+    """
+    root = Path(sys.prefix) / "torch_extensions"
+    root.mkdir(exist_ok=True)
+    env = framework_env() | {"TORCH_EXTENSIONS_DIR": str(root)}
+    with open(root / ".mirage-build.lock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        baton = root / "deepspeed_shm_comm" / "lock"
+        if baton.exists() and time.time() - baton.stat().st_mtime > 60:
+            baton.unlink()
+        subprocess.run([sys.executable, "-c", "from deepspeed.comm.torch import build_shm_op; build_shm_op()"],
+                       env=env, check=True, capture_output=True, timeout=600)
+    return {"TORCH_EXTENSIONS_DIR": str(root)}
 
 
 def free_port() -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.frameworks.fwrun import FW, assert_same_training, free_port, on_cpu, under_mirage
+from tests.frameworks.fwrun import FW, assert_same_training, deepspeed_cpu_extensions, free_port, on_cpu, under_mirage
 
 pytestmark = [pytest.mark.frameworks, pytest.mark.slow, pytest.mark.usefixtures("no_orphans")]
 
@@ -18,7 +18,7 @@ def cpu_result():
     # ZeRO's stages compute the same AdamW steps, so one CPU + gloo run (DeepSpeed's CPU
     # accelerator, stage 2) is the reference for all three.
     return on_cpu("torchrun", "--standalone", "--nproc_per_node=2", SCRIPT, "--stage", "2", "--device", "cpu",
-                  steps=STEPS)
+                  steps=STEPS, extra_env=deepspeed_cpu_extensions())
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

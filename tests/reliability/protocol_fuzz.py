@@ -34,10 +34,11 @@ NOT_REQUESTS = ["ok", "error", "done", "daemon_ready", "coll_completed", "hang",
 _INT_JUNK = [None, True, False, 1.5, "7", "", [], {}, [1], {"a": 1}, float("nan")]
 _STR_JUNK = [None, True, 0, -1, 2**70, 1.5, [], {}, ["x"], {"k": "v"}]
 _LIST_JUNK = [None, True, 0, "1,2", {}, [None], ["1"], [1.5], [True], [[1]]]
+_FLOAT_JUNK = [None, True, False, "1.5", "", [], {}, [1.0], {"a": 1.0}, "nan"]
 
 
 def _field_types(cls) -> dict[str, str]:
-    """``int``, ``str``, ``list`` or ``enum`` for each field of a request class."""
+    """``int``, ``float``, ``str``, ``list`` or ``enum`` for each field of a request class."""
     out = {}
     for name, hint in typing.get_type_hints(cls).items():
         if name == "TYPE":
@@ -116,6 +117,8 @@ class Fuzzer:
                     continue
                 if kind == "int":
                     body[name] = self._int()
+                elif kind == "float":
+                    body[name] = g.choice([0.0, 1e-6, 0.25, 3.5e3, -1.0, 1e300, g.random()])
                 elif kind == "str":
                     body[name] = self._str()
                 elif kind == "list":
@@ -235,6 +238,8 @@ class Fuzzer:
             kind_of = _TYPES[cls][name]
             if kind_of == "int":
                 body[name] = g.choice(_INT_JUNK)
+            elif kind_of == "float":
+                body[name] = g.choice(_FLOAT_JUNK)
             elif kind_of == "str":
                 body[name] = g.choice(_STR_JUNK)
             elif kind_of == "list":
