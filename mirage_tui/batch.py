@@ -9,6 +9,7 @@ import signal
 import sys
 
 from emulator import schema as s
+from mirage_tui import report
 from mirage_tui.runstate import Outcome
 from mirage_tui.session import LaunchError, Session
 from mirage_tui.topology import Topology
@@ -65,7 +66,11 @@ def run_batch(topology: Topology) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     assert outcome is not None
+    if session.state.clocked and session.state.registered:  # ranks ran on the emulated clock
+        print(f"mirage: {report.clocked_line(session.state, topology.profile)}", file=sys.stderr, flush=True)
     status = "ok" if outcome.returncode == 0 else "FAILED"
     print(f"mirage: {status}: {outcome.summary} (exit {outcome.returncode}); run dir: {outcome.run_dir}",
           file=sys.stderr, flush=True)
+    if session.trace:
+        print(f"mirage: trace: {session.trace} (open it in ui.perfetto.dev)", file=sys.stderr, flush=True)
     return outcome.returncode

@@ -10,8 +10,36 @@ import os
 import sys
 
 from mirage_tui.rundir import RunDir
-from mirage_tui.runstate import Outcome, RunState
-from mirage_tui.topology import Topology
+from mirage_tui.runstate import Outcome, RunState, human_seconds
+from mirage_tui.topology import ExecMode, Topology
+
+
+def clocked_line(state: RunState, profile: str = "") -> str:
+    """A clocked run's prediction in one line (batch mode prints it after ``mirage: ``)."""
+    head = f"clocked ({state.profile or profile})"
+    p = state.prediction()
+    if p is None:
+        return f"{head}: no rank reported an optimizer step, so there is no step time to predict"
+    steps = f"step {p.last_step}" if p.first_measured == p.last_step else f"steps {p.first_measured}-{p.last_step}"
+    return (f"{head}: predicted step {human_seconds(p.step_s)} (compute {human_seconds(p.compute_s)}, "
+            f"communication {human_seconds(p.comm_s)}, exposed {human_seconds(p.exposed_comm_s)}) over {steps}, "
+            f"slowest rank {p.slowest_rank}")
+
+
+def _clocked_lines(state: RunState) -> list[str]:
+    """The Report screen's clocked section: the prediction, then each rank's figures."""
+    out = ["", clocked_line(state)]
+    for c in state.rank_clocks().values():
+        out.append(f"  rank {c.rank}  step {human_seconds(c.step_s):>8} (last {human_seconds(c.last_step_s)})  "
+                   f"compute {human_seconds(c.compute_s)}  comm {human_seconds(c.comm_s)}  "
+                   f"exposed {human_seconds(c.exposed_comm_s)}  {c.steps} steps")
+    p = state.prediction()
+    if p is not None:
+        if p.first_measured > 1:
+            out.append("  means over every step after the first (warm-up)")
+        if p.bytes_only_ops:
+            out.append(f"  {p.bytes_only_ops} of {p.ops} ops were costed by their bytes alone (no FLOP formula)")
+    return out
 
 
 def render(state: RunState, outcome: Outcome, run_dir: str, skipped: int = 0) -> str:
@@ -36,6 +64,8 @@ def render(state: RunState, outcome: Outcome, run_dir: str, skipped: int = 0) ->
         out.append(f"  rank {rank}  node {r.node}  pid {r.pid:<7} ran {ran}  log {paths.rank_log(rank)}")
     if not ranks:
         out.append("  (no rank registered)")
+    if state.clocked:
+        out += _clocked_lines(state)
     out += ["", "findings"]
     out += [f"  {f.kind}: {f.text}" for f in state.findings] or ["  none"]
     if skipped:
@@ -44,9 +74,10 @@ def render(state: RunState, outcome: Outcome, run_dir: str, skipped: int = 0) ->
 
 
 def to_json(state: RunState, topology: Topology, outcome: Outcome | None, run: RunDir) -> dict:
-    """The run in one document: topology, outcome, node and rank exits, communicators, memory, hangs."""
+    """The run in one document: topology, outcome, node and rank exits, communicators, memory, hangs;
+    in a clocked run, its step times in emulated time (``clocked``; absent from a functional run's)."""
     topo, st = topology, state
-    return {
+    doc = {
         "run_dir": run.path,
         "topology": {
             "profile": topo.profile, "num_nodes": topo.num_nodes, "gpus_per_node": topo.gpus_per_node,
@@ -69,6 +100,9 @@ def to_json(state: RunState, topology: Topology, outcome: Outcome | None, run: R
             for h in st.hangs
         ],
     }
+    if topo.exec_mode is ExecMode.CLOCKED or st.clocked:
+        doc["clocked"] = {**st.clocked_json(), "profile": st.profile or topo.profile}
+    return doc
 
 
 def write(state: RunState, topology: Topology, outcome: Outcome | None, run: RunDir) -> None:

@@ -26,6 +26,7 @@ import psutil
 import zmq
 
 from emulator import faults
+from emulator import kineto_trace
 from emulator import schema as s
 from emulator.arena import session_segments
 from emulator.daemon import endpoints
@@ -121,6 +122,7 @@ class Session:
         self._tearing_down = False
         self.state = RunState()  # the fold of every event (written by the dispatcher only): diagnoses, the report
         self._hangs: queue.Queue[s.HangDetected] = queue.Queue()
+        self.trace: str | None = None  # the merged trace.json of a clocked run, once closed
 
     # ------------------------------------------------------------ events
 
@@ -552,6 +554,7 @@ class Session:
         except OSError as err:
             self._write_failed(self.run.events, err)
         report.write(self.state, self.topology, outcome, self.run)
+        self.trace = kineto_trace.merge_traces(self.run.path)  # the ranks' traces/rank-R.json, if any
         for path, f in self._log_files.items():
             try:
                 f.close()  # type: ignore[attr-defined]

@@ -12,14 +12,15 @@ import json
 import os
 import tomllib
 
-from mirage_tui.topology import Topology, UsageError
+from mirage_tui.topology import ExecMode, Topology, UsageError
 
 #: Where the console keeps the topology of the last run it started (next to ``.mirage/runs``).
 LAST_PATH = os.path.join(".mirage", "last-topology.toml")
 
 # field -> the TOML type it must have (a float field also takes an integer)
 _TYPES: dict[str, type] = {"profile": str, "num_nodes": int, "gpus_per_node": int, "in_process": bool,
-                           "hang_timeout_s": float, "hbm_bytes": int, "command": list, "env": dict}
+                           "hang_timeout_s": float, "hbm_bytes": int, "exec_mode": str, "command": list,
+                           "env": dict}
 
 
 def dumps(topology: Topology) -> str:
@@ -34,6 +35,7 @@ def dumps(topology: Topology) -> str:
         f"gpus_per_node = {topology.gpus_per_node}",
         f"hang_timeout_s = {float(topology.hang_timeout_s)!r}",
         f"in_process = {str(topology.in_process).lower()}",
+        f"exec_mode = {q(topology.exec_mode.value)}",
         # TOML has no null: a topology on the profile's HBM has no hbm_bytes line
         *([f"hbm_bytes = {topology.hbm_bytes}"] if topology.hbm_bytes is not None else []),
         f"command = [{', '.join(q(a) for a in topology.command)}]",
@@ -79,5 +81,11 @@ def load(path: str, base: Topology | None = None) -> Topology:
         if not ok:
             raise UsageError(f"topology file {path}: {key} must be a {want.__name__} "
                              f"{'of strings ' if want in (list, dict) else ''}(got {value!r})")
+        if key == "exec_mode":
+            try:
+                value = ExecMode(value)
+            except ValueError:
+                raise UsageError(f"topology file {path}: exec_mode must be one of "
+                                 f"{', '.join(m.value for m in ExecMode)} (got {value!r})") from None
         changes[key] = value
     return dataclasses.replace(base or Topology(), **changes)

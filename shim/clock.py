@@ -22,14 +22,17 @@ right answers; the clock says when each *would* have run on the profile's GPU:
 The host itself is modeled as infinitely fast: it only waits where it
 synchronises. Each ``optimizer.step()`` ends a step: the step's emulated time,
 compute, communication and exposed (not overlapped) communication go to the
-daemon as a :class:`~emulator.schema.StepReport`; :attr:`Clock.events` keeps
-each kernel and collective for a trace. Functional mode has no clock: :data:`CLOCK` is None and the
+daemon as a :class:`~emulator.schema.StepReport`. At exit the rank writes its
+kernels and collectives as a Kineto-style trace (``traces/rank-<R>.json`` in
+the run directory). Functional mode has no clock: :data:`CLOCK` is None and the
 dispatch pays one test of it per op.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 import threading
 
 import torch
@@ -294,6 +297,26 @@ def _step_hook(optimizer, args, kwargs) -> None:
         CLOCK.end_step()
 
 
+def write_trace() -> str | None:
+    """Write this rank's trace into the run directory (``traces/rank-<R>.json``); its path, or None."""
+    run_dir = os.environ.get("MIRAGE_RUN_DIR")
+    if CLOCK is None or not run_dir or not CLOCK.events:
+        return None
+    from emulator import kineto_trace
+
+    rank = CLOCK.rank if CLOCK.rank is not None else _global_rank()
+    rank = 0 if rank is None else rank
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    path = os.path.join(run_dir, "traces", f"rank-{rank}.json")
+    try:
+        kineto_trace.write_rank_trace(path, rank=rank, world_size=world, profile=CLOCK.profile.name,
+                                      device_name=CLOCK.profile.product, events=CLOCK.events, dropped=CLOCK.dropped)
+    except OSError as e:
+        print(f"mirage: could not write the clocked trace {path}: {e}", file=sys.stderr, flush=True)
+        return None
+    return path
+
+
 #: the process's clock in clocked mode, else None
 CLOCK: Clock | None = None
 
@@ -307,3 +330,4 @@ def install(profile: Profile) -> None:
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     register_optimizer_step_post_hook(_step_hook)
+    atexit.register(write_trace)

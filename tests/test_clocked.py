@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from shim.clock import _uncovered, _union
-from test_run import FIXTURES, events, mirage_run
+from test_run import FIXTURES, events, mirage_run, run_dir
 
 
 def test_exposed_communication_is_what_compute_does_not_cover():
@@ -19,6 +21,7 @@ def test_exposed_communication_is_what_compute_does_not_cover():
 
 
 @pytest.mark.usefixtures("no_orphans")
+@pytest.mark.filterwarnings("ignore:The inplace keyword")  # HTA 0.5 on pandas 3
 def test_clocked_ddp_reports_steps_and_timed_collectives(tmp_path):
     r = mirage_run(tmp_path, "--exec-mode", "clocked", "--gpus-per-node", "2", "--", "torchrun", "--standalone",
                    "--nproc_per_node=2", str(FIXTURES / "ddp_mlp.py"), steps=10)
@@ -38,6 +41,31 @@ def test_clocked_ddp_reports_steps_and_timed_collectives(tmp_path):
     assert [e["t_end"] for e in steps[0]] == pytest.approx([e["t_end"] for e in steps[1]], rel=1e-9)
     timed = [e for e in ev if e["type"] == "coll_completed"]
     assert timed and all(e["emulated_end"] > e["emulated_start"] and e["algo"] for e in timed)
+    # what the user reads: the batch summary, report.json, the traces
+    line = next(x for x in r.stderr.splitlines() if "predicted step" in x)
+    assert line.startswith("mirage: clocked (mi350x): predicted step ") and "over steps 2-10" in line, line
+    clocked = json.loads((run_dir(tmp_path) / "report.json").read_text())["clocked"]
+    assert clocked["predicted_step_s"] > 0 and set(clocked["ranks"]) == {"0", "1"}
+    assert clocked["predicted_step_s"] == pytest.approx(
+        (steps[0][-1]["t_end"] - steps[0][0]["t_end"]) / 9, rel=1e-6)
+    trace = run_dir(tmp_path) / "trace.json"
+    assert f"mirage: trace: {trace} (open it in ui.perfetto.dev)" in r.stderr
+    merged = json.loads(trace.read_text())
+    assert merged["mirage"]["ranks"] == [0, 1] and not merged["mirage"]["skipped"]
+    comms = [e for e in merged["traceEvents"] if e["name"].startswith("ncclDevKernel_AllReduce")]
+    assert {e["pid"] for e in comms} == {1, 2}
+    _hta_overlap(run_dir(tmp_path) / "traces")
+
+
+def _hta_overlap(traces):
+    """Holistic Trace Analysis reads the ranks' traces as a distributed job's and measures their overlap."""
+    hta = pytest.importorskip("hta.trace_analysis")
+    analysis = hta.TraceAnalysis(trace_dir=str(traces))
+    overlap = analysis.get_comm_comp_overlap(visualize=False)
+    assert sorted(overlap["rank"]) == [0, 1]
+    assert all(0 <= x <= 100 for x in overlap["comp_comm_overlap_pctg"])
+    kernels = analysis.get_gpu_kernel_breakdown(visualize=False)[0]
+    assert set(kernels["kernel_type"]) >= {"COMPUTATION", "COMMUNICATION"}
 
 
 @pytest.mark.usefixtures("no_orphans")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import os
 import shutil
@@ -17,7 +18,7 @@ pytest.importorskip("textual")
 
 from rich.console import Console  # noqa: E402
 
-from textual.widgets import Button, DataTable, Input, Log, Static, Switch, TextArea, Tree  # noqa: E402
+from textual.widgets import Button, DataTable, Input, Log, Select, Static, Switch, TextArea, Tree  # noqa: E402
 
 from mirage_tui import replay  # noqa: E402
 from mirage_tui import launch_forms, topology_file  # noqa: E402
@@ -28,7 +29,8 @@ from mirage_tui.app.report import ReportScreen  # noqa: E402
 from mirage_tui.app.run_screen import RunScreen  # noqa: E402
 from mirage_tui.app.setup import SetupScreen  # noqa: E402
 from mirage_tui.app.stacks_screen import StacksScreen  # noqa: E402
-from mirage_tui.topology import OnHang, Topology, UsageError, validate  # noqa: E402
+from mirage_tui.app.timeline_pane import TimelineBox, TimelinePane  # noqa: E402
+from mirage_tui.topology import ExecMode, OnHang, Topology, UsageError, validate  # noqa: E402
 from orphans import session_processes  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -253,6 +255,37 @@ def test_quit_while_running_tears_the_run_down(tmp_path):
     _run_app(app, body)
     assert app.return_code == 130  # stopped, as a Ctrl-C in batch mode
     assert app.outcome.returncode == 130
+
+
+def test_a_clocked_run_from_the_form_shows_its_timeline(tmp_path):
+    """Exec mode "clocked" in the setup form: the run screen grows the timeline, c hides and shows it."""
+    topology = _topology(tmp_path, "ddp_mlp.py", env=(("STEPS", "6"),))
+    app = MirageApp(topology, setup=True, demo=topology, last_path=str(tmp_path / "last.toml"))
+
+    async def body(pilot) -> None:
+        await _until(pilot, "the setup form", lambda: isinstance(app.screen, SetupScreen))
+        app.screen.query_one("#exec-mode", Select).value = ExecMode.CLOCKED.value
+        await pilot.pause(0.1)
+        assert app.screen.topology.exec_mode is ExecMode.CLOCKED
+        await pilot.click("#start")
+        await _until(pilot, "the run to finish", lambda: app.outcome is not None)
+        assert app.outcome.returncode == 0, app.outcome.summary
+        await _until_report(app, pilot)
+        assert "clocked (mi350x): predicted step " in app.screen.text
+        await pilot.press("escape")
+        run = app.run_screen
+        box, pane = run.query_one(TimelineBox), run.query_one(TimelinePane)
+        assert box.display
+        text = str(pane.render())
+        assert "predicted step" in text and "steps 4-6" in text and "r0 " in text and "r1 " in text
+        await pilot.press("c")
+        assert not box.display
+        await pilot.press("c")
+        assert box.display
+        await pilot.press("q")
+
+    _run_app(app, body)
+    assert app.return_code == 0
 
 
 def test_stop_and_restart_keys_relaunch_the_same_topology(tmp_path):
@@ -614,6 +647,12 @@ def test_topology_file_round_trip_and_errors(tmp_path):
         topology_file.load(str(path))
     path.write_text("gpus = 2\n")
     with pytest.raises(UsageError, match="unknown key 'gpus'"):
+        topology_file.load(str(path))
+    clocked = dataclasses.replace(t, in_process=False, exec_mode=ExecMode.CLOCKED)
+    topology_file.save(clocked, str(path))
+    assert topology_file.load(str(path)) == clocked
+    path.write_text("exec_mode = 'timed'\n")
+    with pytest.raises(UsageError, match="exec_mode must be one of functional, clocked"):
         topology_file.load(str(path))
 
 

@@ -27,6 +27,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 RECORDED_RUN = "tests/fixtures/runs/ddp-2gpu"  # relative: the snapshot shows the path as given
 RECORDED_HANG = "tests/fixtures/runs/hang-2gpu"
 RECORDED_32 = "tests/fixtures/runs/allreduce-32gpu"
+CLOCKED = "tests/fixtures/runs/clocked-4gpu"  # made by tests/clocked_events.py: a known slow rank
 SIZE = (140, 45)
 DEMO = Topology(gpus_per_node=2, command=("torchrun", "--standalone", "--nproc_per_node=2",
                                           "tests/fixtures/ml/ddp_mlp.py"))
@@ -117,3 +118,19 @@ def test_recordings_are_relative():
         for name in ("events.jsonl", "hang-report.json"):
             path = REPO_ROOT / run / name
             assert not path.exists() or not any(p in path.read_text() for p in ("/tmp/", str(REPO_ROOT))), path
+
+
+def test_run_screen_of_a_clocked_run(snap_compare):
+    """The clocked timeline: rank 2's lane solid, the others waiting (░) for it before each all-reduce."""
+    async def to_the_run(pilot) -> None:
+        await _until_report(pilot)
+        await pilot.press("escape")
+        await pilot.pause(0.1)
+
+    app = _app(recording=replay.load(CLOCKED), speed=0)
+    assert snap_compare(app, terminal_size=SIZE, run_before=to_the_run)
+
+
+def test_report_screen_of_a_clocked_run(snap_compare):
+    app = _app(recording=replay.load(CLOCKED), speed=0)
+    assert snap_compare(app, terminal_size=SIZE, run_before=_until_report)

@@ -1,4 +1,5 @@
-"""The Run screen: a cluster tree, the selected rank's output, collectives (grid and in flight), alerts.
+"""The Run screen: a cluster tree, the selected rank's output, collectives (grid and in flight), alerts;
+in a clocked run, the ranks' timeline in emulated time.
 
 Its events come from a feed (a live session or a replay) that runs on another
 thread and only buffers events and posts messages. Every widget update happens
@@ -34,6 +35,7 @@ from mirage_tui.app.output_pane import OutputPane, Source
 from mirage_tui.app.ranks_pane import RankTree
 from mirage_tui.app.stacks_screen import StacksScreen
 from mirage_tui.app.themes import RANK_STATE_VARIABLES
+from mirage_tui.app.timeline_pane import TimelineBox, TimelinePane
 from mirage_tui.hang_stacks import RankStacks
 from mirage_tui.runstate import Changed, Outcome, RunState
 
@@ -57,6 +59,8 @@ class RunScreen(Screen):
         Binding("T", "toggle_timestamps", "Timestamps", show=False, tooltip="prefix output lines with their time"),
         Binding("v", "pin", "Compare", show=False,
                 tooltip="pin this output beside the pane to compare it with another rank's; again: unpin"),
+        Binding("c", "toggle_timeline", "Timeline",
+                tooltip="clocked runs: hide or show the ranks' timeline in emulated time (the last steps)"),
         Binding("r", "report", "Report", tooltip="the report of the finished run"),
         # priority: the tree would take space (expand/collapse) first
         Binding("space", "toggle_pause", "Pause", priority=True, tooltip="pause or resume the replay"),
@@ -75,6 +79,7 @@ class RunScreen(Screen):
         #: How the run ended; None while it runs.
         self.outcome: Outcome | None = None
         self._user_selected = False  # until the user picks a source, the lowest rank's output shows
+        self._timeline_hidden = False  # the user hid the clocked timeline (c)
         self._alerts: list[Text] = []
 
     @property
@@ -96,6 +101,8 @@ class RunScreen(Screen):
                 yield Input(placeholder="show lines containing… (enter: keep, esc: clear)", id="filter")
                 with VerticalScroll(id="traffic"):
                     yield InFlightPane(id="inflight")
+        with TimelineBox(id="timeline-box"):  # shown once the run turns out to be clocked
+            yield TimelinePane(id="timeline")
         with Horizontal(id="bottom"):
             yield LedgerGrid(id="collectives")
             with VerticalScroll(id="alerts"):
@@ -110,6 +117,7 @@ class RunScreen(Screen):
         self.query_one("#alerts").border_title = "alerts"
         self.query_one("#gpu-pane").border_title = "GPU memory"
         self.query_one("#traffic").border_title = "collectives in flight"
+        self.query_one(TimelineBox).border_title = "clocked timeline: the last steps in emulated time (c hides)"
         self.query_one(RankTree).sync(self.state, self.nodes)
         if isinstance(self.feed, ReplayFeed):
             self.on_replay_progress(self.feed.progress())
@@ -140,6 +148,8 @@ class RunScreen(Screen):
             return not self.replaying and self.outcome is None
         if action == "report":
             return self.outcome is not None
+        if action == "toggle_timeline":
+            return self.state.clocked
         if action == "hang_stacks":
             return bool(self.state.hang_reports) or None  # None: shown, greyed out, until there is a hang
         if action == "new_run":
@@ -189,6 +199,17 @@ class RunScreen(Screen):
             self.query_one(GpuMemory).redraw(self.state)
         if changed & Changed.TRAFFIC:
             self.query_one(InFlightPane).redraw(self.state.traffic, self.clock())
+        if changed & Changed.CLOCK:
+            self._redraw_timeline()
+
+    def _redraw_timeline(self) -> None:
+        """Show the timeline (unless hidden with c) once the run is clocked, and draw it."""
+        box = self.query_one(TimelineBox)
+        if not box.display and not self._timeline_hidden and self.state.clocked:
+            box.display = True
+            self.refresh_bindings()  # c now applies
+        if box.display:
+            self.query_one(TimelinePane).redraw(self.state)
 
     def update_rank_labels(self) -> None:
         """Redraw every rank's state (also after a theme change: the colours are theme variables)."""
@@ -388,6 +409,12 @@ class RunScreen(Screen):
                 f"{folder} -p {flight_recorder.PREFIX})"))
 
         self.run_worker(job, thread=True, group="fr-dump", exclusive=True)
+
+    def action_toggle_timeline(self) -> None:
+        """Hide or show the clocked timeline."""
+        self._timeline_hidden = not self._timeline_hidden
+        self.query_one(TimelineBox).display = not self._timeline_hidden
+        self._redraw_timeline()
 
     def action_report(self) -> None:
         """Show the report of the finished run."""

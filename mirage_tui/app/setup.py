@@ -25,6 +25,7 @@ from emulator.profiles import ProfileError, load_profile, profile_names
 from mirage_tui import launch_forms, topology_file
 from mirage_tui.completion import complete_path
 from mirage_tui.topology import (
+    ExecMode,
     Topology,
     UsageError,
     check_combination,
@@ -36,6 +37,8 @@ from mirage_tui.topology import (
 
 _LAUNCH_FORMS = [("torchrun on every node", launch_forms.TORCHRUN),
                  ("direct: one process per node", launch_forms.DIRECT)]
+_EXEC_MODES = [("functional: right answers, no notion of time", ExecMode.FUNCTIONAL.value),
+               ("clocked: also predicts step times (emulated clock)", ExecMode.CLOCKED.value)]
 
 
 class PathSuggester(Suggester):
@@ -135,6 +138,9 @@ class SetupScreen(Screen):
                 yield Label("in-process", classes="field")
                 yield Switch(value=t.in_process, id="in-process")
             with Horizontal(classes="row"):
+                yield Label("exec mode", classes="field")
+                yield Select(_EXEC_MODES, value=t.exec_mode.value, allow_blank=False, id="exec-mode")
+            with Horizontal(classes="row"):
                 yield Label("load topology", classes="field")
                 yield Input(self.load_path, placeholder="path/to/topology.toml", id="load-path")
                 yield Button("Load", id="load")
@@ -176,6 +182,7 @@ class SetupScreen(Screen):
             env=tuple(parse_env(line.strip()) for line in env_text.splitlines() if line.strip()),
             hang_timeout_s=float(number("hang", "--hang-timeout", float)),
             in_process=self.query_one("#in-process", Switch).value,
+            exec_mode=ExecMode(str(self.query_one("#exec-mode", Select).value)),
             hbm_bytes=parse_size(hbm) if hbm else None,
             command=command,
         )
@@ -288,4 +295,5 @@ class SetupScreen(Screen):
         self.query_one("#hang", Input).value = f"{t.hang_timeout_s:g}"
         self.query_one("#hbm", Input).value = _hbm_text(t.hbm_bytes)
         self.query_one("#in-process", Switch).value = t.in_process
+        self.query_one("#exec-mode", Select).value = t.exec_mode.value
         self._check()
