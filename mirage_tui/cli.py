@@ -35,6 +35,7 @@ from emulator.profiles import (
 )
 from mirage_tui import __version__
 from mirage_tui.topology import (
+    CLEARED_ENV_KEEPS,
     DEFAULT_HANG_TIMEOUT_S,
     CommandNotFound,
     ExecMode,
@@ -92,6 +93,24 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-nodes", type=int, default=1, metavar="N", help="nodes (default: 1)")
     parser.add_argument(
         "--gpus-per-node", type=int, default=None, metavar="G", help="GPUs per node (default: 1; 2 for the demo)"
+    )
+    parser.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        metavar="N",
+        help="start N rank processes per node, with the environment torchrun gives its workers (RANK, "
+        "LOCAL_RANK, WORLD_SIZE, ...), for a program launched without torchrun (default: run the command "
+        "once per node)",
+    )
+    parser.add_argument(
+        "--workdir", metavar="DIR", help="run the command in DIR (default: the current directory)"
+    )
+    parser.add_argument(
+        "--clear-env-vars",
+        action="store_true",
+        help=f"start the command from an almost empty environment: only {', '.join(CLEARED_ENV_KEEPS)} and "
+        "LC_* are kept, then --env and what mirage sets are added",
     )
     parser.add_argument(
         "--env",
@@ -182,6 +201,9 @@ def _topology(ns: argparse.Namespace, command: tuple[str, ...] | None, help_prog
             hbm_bytes=None if ns.hbm is None else parse_size(ns.hbm),
             command=command or (),
             exec_mode=ExecMode(ns.exec_mode),
+            nproc_per_node=ns.nproc_per_node,
+            workdir=ns.workdir,
+            clear_env=ns.clear_env_vars,
         )
         validate(topology)
         check_combination(topology)
@@ -359,6 +381,20 @@ def _mirage(ns: argparse.Namespace, command: tuple[str, ...] | None) -> int:
         if command is not None:
             raise UsageError("'mirage profiles' takes no command after --")
         return _profiles(ns)
+    if ns.cmd == "exec":
+        from mirage_tui import session_commands
+
+        return session_commands.exec_in(ns.session, ns.node, command)
+    if ns.cmd in ("sessions", "stop", "cleanup"):
+        if command is not None:
+            raise UsageError(f"'mirage {ns.cmd}' takes no command after --")
+        from mirage_tui import session_commands
+
+        if ns.cmd == "sessions":
+            return session_commands.list_sessions(ns.json, ns.all)
+        if ns.cmd == "cleanup":
+            return session_commands.clean_up(ns.dry_run)
+        return session_commands.stop_session(ns.session, ns.timeout)
     if ns.cmd == "status":
         if command is not None:
             raise UsageError("'mirage status' takes no command after --")
@@ -366,11 +402,14 @@ def _mirage(ns: argparse.Namespace, command: tuple[str, ...] | None) -> int:
     return _run(_topology(ns, command, "mirage run"))
 
 
-def _demo_command(gpus: int) -> tuple[str, ...]:
-    """The bundled demo: a DDP MLP trained with torchrun on ``gpus`` emulated GPUs."""
+def _demo_command(gpus: int, mirage_starts_ranks: bool = False) -> tuple[str, ...]:
+    """The bundled demo: a DDP MLP trained with torchrun on ``gpus`` emulated GPUs (or, with
+    ``--nproc-per-node``, run directly: mirage starts its ranks)."""
     import os
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if mirage_starts_ranks:
+        return (sys.executable, os.path.join(root, "tests", "fixtures", "ml", "ddp_mlp.py"))
     # the torchrun next to this interpreter, so a venv that was not activated still works
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     return (torchrun if os.path.exists(torchrun) else "torchrun", "--standalone", f"--nproc_per_node={gpus}",
@@ -378,12 +417,12 @@ def _demo_command(gpus: int) -> tuple[str, ...]:
 
 
 #: mirage-tui's own flags: they choose how the console runs, not the run's topology.
-_CONSOLE_FLAGS = ("batch", "start", "replay", "speed", "theme")
+_CONSOLE_FLAGS = ("batch", "start", "replay", "attach", "serve", "speed", "theme")
 
 
 def _mirage_tui(ns: argparse.Namespace, command: tuple[str, ...] | None) -> int:
     if ns.batch:
-        for flag in ("replay", "speed", "theme"):
+        for flag in ("replay", "attach", "serve", "speed", "theme"):
             if getattr(ns, flag) is not None:
                 raise UsageError(f"--{flag} is for the console; drop it or drop --batch")
         return _run(_topology(ns, command, "mirage-tui"))
@@ -396,11 +435,40 @@ def _mirage_tui(ns: argparse.Namespace, command: tuple[str, ...] | None) -> int:
     if theme is None:
         names = ", ".join(themes.theme_files())
         raise UsageError(f"--theme must be one of {names}, got {ns.theme!r}")
+    if ns.attach is not None:
+        return _attach(ns, command, theme)
+    if ns.serve is not None:
+        raise UsageError("--serve serves an attached console: use it with --attach [SESSION|RUN_DIR]")
     if ns.replay is not None:
         return _replay(ns, command, theme)
     if ns.speed is not None:
         raise UsageError("--speed sets the pace of --replay RUN_DIR; it does nothing for a live run")
     return _console(ns, command, theme)
+
+
+def _attach(ns: argparse.Namespace, command: tuple[str, ...] | None, theme: str) -> int:
+    """``mirage-tui --attach [SESSION|RUN_DIR]``: the console on a live session another process owns."""
+    import os
+
+    from mirage_tui import sessions
+
+    if command is not None:
+        raise UsageError("--attach follows a live session; it takes no command after --")
+    for flag in ("replay", "speed"):
+        if getattr(ns, flag) is not None:
+            raise UsageError(f"--{flag} is for recorded runs; drop it or drop --attach")
+    entry = sessions.find(ns.attach or None)
+    if os.stat(entry.run_dir).st_uid != os.getuid() or not os.access(entry.run_dir, os.R_OK | os.X_OK):
+        raise UsageError(f"session {entry.session} is another user's: only its owner may attach")
+    if ns.serve is not None:
+        from mirage_tui.app.serve import serve
+
+        return serve(entry, ns.serve, theme)
+    from mirage_tui.app.app import MirageApp
+
+    app = MirageApp(attach=entry, theme=theme)
+    app.run()
+    return 1 if app.return_code is None else app.return_code
 
 
 def _replay(ns: argparse.Namespace, command: tuple[str, ...] | None, theme: str) -> int:
@@ -435,7 +503,7 @@ def _console(ns: argparse.Namespace, command: tuple[str, ...] | None, theme: str
         # no program: the demo cluster training; 2 GPUs unless the user changed the default
         if ns.gpus_per_node is None:
             ns.gpus_per_node = 2
-        command = _demo_command(ns.gpus_per_node)
+        command = _demo_command(ns.gpus_per_node, ns.nproc_per_node is not None)
     topology = demo = _topology(ns, command, "mirage-tui")
     if untouched and os.path.isfile(topology_file.LAST_PATH):
         try:
@@ -481,6 +549,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--fr-dump", action="store_true",
         help="also write Flight Recorder dumps (for torch's fr_trace) into RUN_DIR/flight-recorder",
     )
+    listing = sub.add_parser("sessions", help="the live sessions on this machine (runs you can attach to or stop)")
+    listing.add_argument("--json", action="store_true", help="a JSON array, for scripts")
+    listing.add_argument("--all", action="store_true", help="also sessions whose owner was killed (dead)")
+    run_in = sub.add_parser("exec", help="run a command in a live session's environment on one of its nodes",
+                            usage="%(prog)s SESSION [--node N] -- COMMAND [ARGS...]")
+    run_in.add_argument("session", metavar="SESSION", help="its id (or a unique prefix) or its run directory")
+    run_in.add_argument("--node", type=int, default=0, metavar="N", help="the emulated node (default: 0)")
+    clean = sub.add_parser("cleanup", help="remove what killed sessions left: processes, shared memory, sockets")
+    clean.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+    stop = sub.add_parser("stop", help="end a live session as Ctrl-C in its terminal would")
+    stop.add_argument("session", metavar="SESSION", help="its id (or a unique prefix) or its run directory")
+    stop.add_argument("--timeout", type=float, default=60.0, metavar="S",
+                      help="how long to wait for it to end (default: 60)")
     return _dispatch(parser, argv, _mirage)
 
 
@@ -523,6 +604,13 @@ def _tui_parser() -> _Parser:
     )
     parser.add_argument("--start", action="store_true", help="launch at once, without the Setup form")
     parser.add_argument("--replay", metavar="RUN_DIR", help="play a recorded run (its events.jsonl) in the console")
+    parser.add_argument(
+        "--attach", nargs="?", const="", metavar="SESSION|RUN_DIR",
+        help="the console on a live session started elsewhere ('mirage sessions'; none named: the only one); "
+             "quitting detaches",
+    )
+    parser.add_argument("--serve", metavar="[HOST:]PORT",
+                        help="with --attach: serve that console to a browser (loopback unless HOST is named)")
     parser.add_argument("--speed", type=float, metavar="X", help="replay pace, a multiple of the recorded one (default: 1)")
     parser.add_argument("--theme", metavar="NAME", help="dark (default), light or high-contrast")
     return parser

@@ -1,7 +1,8 @@
 """A session owns every process of one run: the daemon, the node processes, their children.
 
 It creates the run directory, starts the daemon and waits until it answers,
-starts one process per emulated node with the environment the shim reads,
+starts one process per emulated node (or, with ``--nproc-per-node``, that many
+rank processes per node, as torchrun would) with the environment the shim reads,
 gathers every event (daemon events from ZeroMQ, output lines from the rank
 files and node pipes) into one ordered stream that goes to ``events.jsonl``
 and to the caller's sink, and tears everything down at the end: nodes first,
@@ -21,6 +22,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import psutil
 import zmq
@@ -31,10 +33,10 @@ from emulator import schema as s
 from emulator.arena import session_segments
 from emulator.daemon import endpoints
 from emulator.profiles import profile_path
-from mirage_tui import diagnosis, flight_recorder, report, rundir
+from mirage_tui import diagnosis, flight_recorder, report, rundir, sessions
 from mirage_tui.output import RankTail, pump_pipe
 from mirage_tui.runstate import Outcome, RunState
-from mirage_tui.topology import ExecMode, OnHang, Topology
+from mirage_tui.topology import ExecMode, OnHang, Topology, UsageError, kept_env
 from shim.bootstrap import is_torchrun_agent
 
 #: How long the other nodes may keep running after one failed.
@@ -98,6 +100,15 @@ def _die_with_session():
     return hook
 
 
+@dataclass(frozen=True)
+class Launched:
+    """One process the session started: a node's command, or (``--nproc-per-node``) one rank of a node."""
+
+    proc: subprocess.Popen
+    node: int
+    rank: int | None = None  # the global rank mirage gave it; None for a node process
+
+
 class Session:
     """Run ``topology``'s command on its emulated cluster; events go to ``sink``."""
 
@@ -106,7 +117,7 @@ class Session:
         self.sink = sink
         self.run = rundir.create(topology.log_dir, sockets=not topology.in_process)
         self.daemon: subprocess.Popen | None = None
-        self.nodes: list[subprocess.Popen] = []
+        self.procs: list[Launched] = []  # every process started, in order: one per node, or one per rank
         # (event, its encoded line if we already have it) — daemon events arrive encoded
         self._events: queue.Queue[tuple[s.Event, bytes | None] | None] = queue.Queue(EVENT_BACKLOG)
         self._written = 0  # events the dispatcher has handled: teardown's measure of progress
@@ -118,7 +129,7 @@ class Session:
         self._log_files: dict[str, object] = {}
         self._dirty_logs: dict[str, object] = {}  # log files written since the last flush
         self._sink_errors: set[str] = set()  # display failures already reported
-        self._exited: set[int] = set()  # nodes whose exit was emitted
+        self._exited: list[int] = []  # indexes into procs of the processes seen ended, in that order
         self._tearing_down = False
         self.state = RunState()  # the fold of every event (written by the dispatcher only): diagnoses, the report
         self._hangs: queue.Queue[s.HangDetected] = queue.Queue()
@@ -299,11 +310,15 @@ class Session:
         start their own ranks (Lightning, Accelerate, ``mp.spawn``) see what they
         would see there. Several nodes launched directly (one process per node)
         get ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` for ``env://``, as a job
-        scheduler gives them. What the user exported passes through, as in a shell.
+        scheduler gives them. What the user exported passes through, as in a shell
+        (with ``--clear-env-vars``, only :data:`~mirage_tui.topology.CLEARED_ENV_KEEPS`).
         """
         topo = self.topology
-        env = {k: v for k, v in os.environ.items() if k != "MIRAGE_RANK_PID"}
-        if topo.num_nodes > 1:
+        if topo.clear_env:
+            env = kept_env(dict(os.environ))
+        else:
+            env = {k: v for k, v in os.environ.items() if k != "MIRAGE_RANK_PID"}
+        if topo.num_nodes > 1 and topo.nproc_per_node is None:
             env.update(RANK=str(node), WORLD_SIZE=str(topo.num_nodes), LOCAL_RANK="0")
         env.update(
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port),
@@ -332,32 +347,90 @@ class Session:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_BOOT_DIR, env.get("PYTHONPATH")) if p)
         return env
 
+    def rank_env(self, node: int, local_rank: int, master_port: int) -> dict[str, str]:
+        """The environment of rank process ``local_rank`` of node ``node`` (``--nproc-per-node``).
+
+        The node's environment plus what torchrun 2.13's agent gives each worker
+        (``LocalElasticAgent._start_workers``), as a static rendezvous over all
+        nodes would: one role, no restarts, no agent store (rank 0 hosts the
+        ``env://`` store, there being no agent to host it). The per-rank
+        variables win over ``--env``, as torchrun's do over the shell's.
+        """
+        topo = self.topology
+        nproc = topo.nproc_per_node or 1
+        rank, world = node * nproc + local_rank, topo.num_nodes * nproc
+        env = self.node_env(node, master_port)
+        env.update(
+            RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(nproc),
+            GROUP_RANK=str(node), GROUP_WORLD_SIZE=str(topo.num_nodes),
+            ROLE_RANK=str(rank), ROLE_NAME="default", ROLE_WORLD_SIZE=str(world),
+            TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
+            TORCHELASTIC_RUN_ID=f"mirage-{self.run.session}", TORCHELASTIC_USE_AGENT_STORE="False",
+        )
+        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        if nproc > 1:
+            env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for several workers per node
+        return env
+
+    def _launch(self, node: int, rank: int | None, env: dict[str, str]) -> None:
+        """Start the command as node ``node``'s process, or as its rank ``rank``; track it at once.
+
+        A rank's stdout and stderr are its rank files from the start (the kernel writes them, as the
+        shim's capture would), so a program that is not Python, or prints before the shim takes over,
+        is still that rank's. A node's are pipes, read as ``[node<n>]`` lines.
+        """
+        topo = self.topology
+        if rank is None:
+            out: int = subprocess.PIPE
+            err: int = subprocess.PIPE
+        else:
+            out, err = (os.open(os.path.join(self.run.ranks, f"rank-{rank}.{stream}"),
+                                os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600) for stream in ("stdout", "stderr"))
+        try:
+            proc = subprocess.Popen(
+                list(topo.command), stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env,
+                cwd=topo.workdir or None, start_new_session=True, preexec_fn=_die_with_session(),
+            )
+        except (FileNotFoundError, PermissionError, NotADirectoryError) as e:
+            what = "not found" if isinstance(e, FileNotFoundError) else "not executable"
+            if topo.workdir and not os.path.isdir(topo.workdir):
+                raise LaunchError(f"--workdir {topo.workdir}: no such directory", 2) from None
+            raise LaunchError(f"command {what}: {topo.command[0]} (searched PATH)", 127) from None
+        finally:
+            if rank is not None:
+                os.close(out)
+                os.close(err)
+        self.procs.append(Launched(proc, node, rank))
+        if rank is None:
+            self._threads.append(pump_pipe(proc.stdout, node, s.Stream.STDOUT, self.emit))
+            self._threads.append(pump_pipe(proc.stderr, node, s.Stream.STDERR, self.emit))
+
     def start(self) -> None:
         """Start the daemon (unless in-process), the event pumps and the node processes."""
+        try:  # so that 'mirage sessions' and 'mirage-tui --attach' find the run
+            sessions.register(self.run.session, self.run.path, self.topology)
+        except (OSError, UsageError) as e:
+            print(f"mirage: this run is not listed in 'mirage sessions': {e}", file=sys.stderr)
         self._thread(self._dispatch, "dispatch")
         if not self.topology.in_process:
             self._start_daemon()
             self._thread(self._pump_daemon_events, "daemon-events")
         self._thread(self._pump_rank_files, "rank-output")
         port = _free_port()
+        for node in range(self.topology.num_nodes):  # for 'mirage exec SESSION --node N'
+            sessions.write_node_env(self.run.path, node, self.node_env(node, port))
+        nproc = self.topology.nproc_per_node
         for node in range(self.topology.num_nodes):
-            try:
-                proc = subprocess.Popen(
-                    list(self.topology.command), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE, env=self.node_env(node, port), start_new_session=True,
-                    preexec_fn=_die_with_session(),
-                )
-            except (FileNotFoundError, PermissionError) as e:
-                what = "not found" if isinstance(e, FileNotFoundError) else "not executable"
-                raise LaunchError(f"command {what}: {self.topology.command[0]} (searched PATH)", 127) from None
-            self.nodes.append(proc)
-            self._threads.append(pump_pipe(proc.stdout, node, s.Stream.STDOUT, self.emit))
-            self._threads.append(pump_pipe(proc.stderr, node, s.Stream.STDERR, self.emit))
+            if nproc is None:
+                self._launch(node, None, self.node_env(node, port))
+                continue
+            for local in range(nproc):
+                self._launch(node, node * nproc + local, self.rank_env(node, local, port))
 
     # ------------------------------------------------------------ wait / stop
 
     def wait(self) -> Outcome:
-        """Block until every node exited (or one failed and the rest were stopped)."""
+        """Block until every process exited (or one failed and the rest were stopped)."""
         first_failure: tuple[int, int] | None = None
         failed_at = 0.0
         while True:
@@ -373,13 +446,13 @@ class Session:
             # before the nodes: ranks fail fast once the daemon is gone, and its death is the cause
             if self.daemon is not None and self.daemon.poll() is not None and first_failure is None:
                 first_failure, failed_at = (-1, self.daemon.returncode), time.monotonic()
-            for node, proc in enumerate(self.nodes):
-                code = proc.poll()
+            for i, launched in enumerate(self.procs):
+                code = launched.proc.poll()
                 if code is None:
                     running += 1
                     continue
-                if self._note_exit(node, proc) and code != 0 and first_failure is None:
-                    first_failure, failed_at = (node, code), time.monotonic()
+                if self._note_exit(i) and code != 0 and first_failure is None:
+                    first_failure, failed_at = (i, code), time.monotonic()
             if not running:
                 break
             if first_failure and time.monotonic() - failed_at > FAIL_GRACE_S:
@@ -390,16 +463,17 @@ class Session:
                 return Outcome(HANG_EXIT, hang, self.run.path)
             time.sleep(0.05)
         if first_failure is None:
-            return Outcome(0, f"all {len(self.nodes)} node process(es) exited 0", self.run.path)
-        node, code = first_failure
-        if node < 0:
+            kind = "node" if self.topology.nproc_per_node is None else "rank"
+            return Outcome(0, f"all {len(self.procs)} {kind} process(es) exited 0", self.run.path)
+        index, code = first_failure
+        if index < 0:
             how = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
             return Outcome(
                 DAEMON_DIED_EXIT,
                 f"the mirage daemon (pid {self.daemon.pid}) {how} during the run; see {self.run.path}/daemon.log",
                 self.run.path,
             )
-        return Outcome(code if code > 0 else 128 - code, self._failure_summary(node, code), self.run.path)
+        return Outcome(code if code > 0 else 128 - code, self._failure_summary(index, code), self.run.path)
 
     def _report_hangs(self) -> str | None:
         """Diagnose every hang the daemon reported since the last call; return a summary of the first."""
@@ -429,12 +503,15 @@ class Session:
                     else f"collective #{finding.seq} ({finding.op.name})")
             summary = summary or f"hang in {what}: missing ranks {{{missing}}}; report: {path}"
 
-    def _failure_summary(self, node: int, code: int) -> str:
-        """Who failed first and how, then which ranks raised (and where their logs are)."""
+    def _failure_summary(self, index: int, code: int) -> str:
+        """Who failed first (``procs[index]``) and how, then which ranks raised (and where their logs are)."""
         how = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
-        pid = self.nodes[node].pid
-        # with direct launch the node process is the rank itself
+        launched = self.procs[index]
+        node, pid = launched.node, launched.proc.pid
+        # with direct launch the node process is the rank itself; with --nproc-per-node mirage knows its rank
         who = next((f"rank {r}" for r, p in self.state.rank_pids.items() if p == pid), f"node {node}")
+        if launched.rank is not None:
+            who = f"rank {launched.rank}"
         if who.startswith("node") and is_torchrun_agent(["", *self.topology.command]):
             who = f"node {node} (torchrun's agent)"
         raised: dict[int, str] = {}
@@ -450,27 +527,42 @@ class Session:
         if gone and not who.startswith("rank") and gone[0] not in raised:
             r = gone[0]
             first_gone = f"; rank {r} was the first rank to go (log: {self.run.rank_log(r)})"
-        where = "; ".join(raised.values()) or f"log: {self.run.node_log(node)}"
+        log = self.run.node_log(node) if launched.rank is None else self.run.rank_log(launched.rank)
+        where = "; ".join(raised.values()) or f"log: {log}"
         return f"{who} {how}{first_gone}; {where}"
 
-    def _note_exit(self, node: int, proc: subprocess.Popen) -> bool:
-        """Emit ``process_exited`` for an ended node the first time it is seen; True if this was it."""
-        if node in self._exited:
+    def _note_exit(self, index: int) -> bool:
+        """Note that ``procs[index]`` ended, the first time it is seen; True if this was it.
+
+        A node process's end is emitted as ``process_exited`` at once. Rank processes
+        (``--nproc-per-node``) end their node when the last of them ends: one
+        ``process_exited`` per node, as a node process's, with the code of the first
+        of its ranks that failed (and that rank's pid), else 0.
+        """
+        if index in self._exited:
             return False
-        self._exited.add(node)
-        self.emit(s.ProcessExited(node=node, pid=proc.pid, returncode=proc.returncode))
+        self._exited.append(index)
+        launched = self.procs[index]
+        if launched.rank is None:
+            self.emit(s.ProcessExited(node=launched.node, pid=launched.proc.pid, returncode=launched.proc.returncode))
+            return True
+        mates = [i for i, p in enumerate(self.procs) if p.node == launched.node]
+        if all(i in self._exited for i in mates):
+            ended = [self.procs[i].proc for i in self._exited if i in mates]  # in the order they ended
+            first = next((p for p in ended if p.returncode != 0), ended[-1])
+            self.emit(s.ProcessExited(node=launched.node, pid=first.pid, returncode=first.returncode))
         return True
 
     def _terminate_nodes(self) -> None:
         self._tearing_down = True
-        for proc in self.nodes:
+        for proc in (launched.proc for launched in self.procs):
             # the group too when its leader is gone: a dead torchrun agent leaves workers
             try:
                 os.killpg(proc.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + TERM_GRACE_S
-        for proc in self.nodes:
+        for proc in (launched.proc for launched in self.procs):
             try:
                 proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -479,8 +571,8 @@ class Session:
                 except ProcessLookupError:
                     pass
                 proc.wait()
-        for node, proc in enumerate(self.nodes):
-            self._note_exit(node, proc)
+        for i in range(len(self.procs)):
+            self._note_exit(i)
 
     def _sweep(self) -> None:
         """Kill anything still carrying this session's id (escaped process groups)."""
@@ -565,4 +657,10 @@ class Session:
             os.unlink(self.run.token_file)  # the token is useless once the daemon is gone
         except OSError:
             pass
+        for node in range(self.topology.num_nodes):  # they hold the token too
+            try:
+                os.unlink(sessions.node_env_path(self.run.path, node))
+            except OSError:
+                pass
+        sessions.unregister(self.run.session)
 

@@ -21,6 +21,16 @@ from emulator.profiles import DEFAULT_PROFILE, ProfileError, load_profile
 
 MAX_GPUS_PER_NODE = 64
 MAX_NODES = 1024
+#: The most rank processes ``--nproc-per-node`` starts on one node.
+MAX_NPROC_PER_NODE = 64
+#: What ``--clear-env-vars`` keeps of mirage's own environment (and every ``LC_*``): who and where the
+#: user is, how text is written. ``--env`` and the variables mirage sets for the shim come on top.
+CLEARED_ENV_KEEPS = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "TERM", "LANG", "LANGUAGE", "TZ", "TMPDIR")
+
+
+def kept_env(environ: dict[str, str]) -> dict[str, str]:
+    """The part of ``environ`` that ``--clear-env-vars`` keeps."""
+    return {k: v for k, v in environ.items() if k in CLEARED_ENV_KEEPS or k.startswith("LC_")}
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
@@ -67,6 +77,11 @@ class Topology:
     hbm_bytes: int | None = None  # --hbm: each GPU's memory instead of the profile's (rehearse OOM)
     command: tuple[str, ...] = ()  # the program and its own arguments
     exec_mode: ExecMode = ExecMode.FUNCTIONAL  # --exec-mode
+    # --nproc-per-node: mirage starts this many rank processes per node itself, with torchrun's
+    # environment; None runs the command once per node (what torchrun or a framework then launches)
+    nproc_per_node: int | None = None
+    workdir: str | None = None  # --workdir: the folder the command runs in (default: mirage's own)
+    clear_env: bool = False  # --clear-env-vars: the command starts from an almost empty environment
 
     @property
     def world_gpus(self) -> int:
@@ -120,10 +135,36 @@ def validate(topology: Topology) -> None:
         raise UsageError(f"--hang-timeout must be a number of seconds above 0 (at most 86400), got {topology.hang_timeout_s:g}")
     for key, _ in topology.env:
         _check_env_name(key)
+    nproc = topology.nproc_per_node
+    if nproc is not None and not 1 <= nproc <= MAX_NPROC_PER_NODE:
+        raise UsageError(f"--nproc-per-node must be between 1 and {MAX_NPROC_PER_NODE}, got {nproc}")
+    if topology.workdir is not None:
+        _check_workdir(topology.workdir)
     if not topology.command:
         raise UsageError(
             "missing command: put the program after --, e.g. mirage run -- python train.py"
         )
+
+
+def _check_workdir(workdir: str) -> None:
+    if not workdir:
+        raise UsageError("--workdir must name a directory, got ''")
+    where = os.path.abspath(workdir)
+    if not os.path.exists(workdir):
+        raise UsageError(f"--workdir {workdir}: no such directory (tried {where})")
+    if not os.path.isdir(workdir):
+        raise UsageError(f"--workdir {workdir}: not a directory (tried {where})")
+    if not os.access(workdir, os.X_OK):
+        raise UsageError(f"--workdir {workdir}: permission denied (tried {where})")
+
+
+def _runs_torchrun(command: tuple[str, ...]) -> bool:
+    """``torchrun ...`` or ``python -m torch.distributed.run ...`` (as ``shim.bootstrap`` tells its agent)."""
+    return bool(command) and (
+        os.path.basename(command[0]) == "torchrun"
+        or any(a == "-m" and b in ("torch.distributed.run", "torch.distributed.launch")
+               for a, b in zip(command, command[1:], strict=False))
+    )
 
 
 def check_combination(topology: Topology) -> None:
@@ -132,6 +173,17 @@ def check_combination(topology: Topology) -> None:
         raise UsageError(
             f"--in-process runs without the daemon, so it cannot join --num-nodes {topology.num_nodes} nodes; "
             "drop one of the two"
+        )
+    nproc = topology.nproc_per_node
+    if topology.in_process and nproc is not None and nproc > 1:
+        raise UsageError(
+            f"--in-process runs without the daemon, so its ranks cannot reach each other: --nproc-per-node {nproc} "
+            "needs it; drop one of the two"
+        )
+    if nproc is not None and _runs_torchrun(topology.command):
+        raise UsageError(
+            "--nproc-per-node makes mirage start the ranks itself, and torchrun would start its own in each of "
+            "them; drop --nproc-per-node (give torchrun its --nproc_per_node) or run the program without torchrun"
         )
     if topology.in_process and topology.on_hang is OnHang.WAIT:
         raise UsageError("--on-hang wait acts on the daemon's hang reports, and --in-process has no daemon; "
@@ -151,6 +203,8 @@ def check_command(topology: Topology) -> None:
         return
     prog = topology.command[0]
     path = dict(topology.env).get("PATH", os.environ.get("PATH", os.defpath))
+    if os.sep in prog and topology.workdir:  # a relative program path is found from the folder it runs in
+        prog = os.path.join(topology.workdir, prog)
     if shutil.which(prog, path=path) is not None:
         return
     if os.sep in prog:

@@ -84,6 +84,10 @@ def boot() -> None:
     if is_torchrun_agent(sys.orig_argv):
         _after_torch(_count_gpus_in_agent)
         return
+    if os.environ.get("MIRAGE_EXEC") == "1":
+        # 'mirage exec': a probe beside the job, not a rank: its output is its own, it claims no rank
+        _after_torch(_activate)
+        return
     if "MIRAGE_RANK_PID" not in os.environ:
         os.environ["MIRAGE_RANK_PID"] = str(os.getpid())
         from shim.output import arm_stack_dumps, capture

@@ -32,6 +32,11 @@ from shim.call_site import call_site
 _formed: dict[str, itertools.count] = {}
 
 
+#: What a command started by ``mirage exec`` gets when it calls ``init_process_group``.
+EXEC_REFUSAL = ("mirage: a command run by 'mirage exec' may not join the job's process groups (it would be an "
+                "extra rank its collectives never wait for); probe the emulated GPUs, or add it to the job itself")
+
+
 def install() -> None:
     """Wrap ``init_process_group`` wherever torch's modules hold it."""
     original = c10d.init_process_group
@@ -41,6 +46,8 @@ def install() -> None:
 
     @functools.wraps(original)
     def init_process_group(*args, **kwargs):
+        if os.environ.get("MIRAGE_EXEC") == "1":
+            raise RuntimeError(EXEC_REFUSAL)
         try:
             bound = signature.bind(*args, **kwargs)
         except TypeError:

@@ -1,4 +1,4 @@
-"""The console: Setup, then Run (a live session or a replay), then Report.
+"""The console: Setup, then Run (a live session, one started elsewhere, or a replay), then Report.
 
 The app only switches screens, themes and quitting; each screen holds what it
 shows. Runs and replays happen on feed threads that talk to the Run screen
@@ -17,7 +17,7 @@ from textual.screen import Screen
 
 from mirage_tui import topology_file
 from mirage_tui.app.confirm import ConfirmScreen
-from mirage_tui.app.feeds import STOPPED_EXIT, LiveFeed, ReplayFeed
+from mirage_tui.app.feeds import STOPPED_EXIT, AttachFeed, LiveFeed, ReplayFeed
 from mirage_tui.app.help_screen import HelpScreen
 from mirage_tui.app.report import ReportScreen
 from mirage_tui.app.run_screen import RunScreen
@@ -26,6 +26,7 @@ from mirage_tui.app.themes import DEFAULT_THEME, register_themes
 from mirage_tui.replay import Recording
 from mirage_tui.runstate import Outcome
 from mirage_tui.session import Session
+from mirage_tui.sessions import SessionEntry
 from mirage_tui.topology import Topology
 
 
@@ -47,20 +48,23 @@ class MirageApp(App[int]):
         setup: bool = False,
         demo: Topology | None = None,
         recording: Recording | None = None,
+        attach: SessionEntry | None = None,
         speed: float = 1.0,
         theme: str = DEFAULT_THEME,
         last_path: str = topology_file.LAST_PATH,
     ) -> None:
         """Run ``topology`` at once; or, with ``setup``, show it in the form first (``demo`` is the
-        form's Demo button); or play ``recording`` at ``speed`` (0: as fast as possible).
+        form's Demo button); or play ``recording`` at ``speed`` (0: as fast as possible); or follow the
+        live session ``attach`` that another process owns (quitting detaches).
         ``last_path`` is where a started topology is saved for the next Setup form."""
         super().__init__()
-        if recording is None and topology is None:
-            raise ValueError("MirageApp needs a topology or a recording")
+        if recording is None and topology is None and attach is None:
+            raise ValueError("MirageApp needs a topology, a recording or a session to attach to")
         self.topology = topology
         self.setup = setup
         self.demo = demo or topology
         self.recording = recording
+        self.attach = attach
         self.speed = speed
         self.initial_theme = theme
         self.last_path = last_path
@@ -88,6 +92,10 @@ class MirageApp(App[int]):
         if self.recording is not None:
             rec = self.recording
             self._show_run(RunScreen(ReplayFeed(rec, self.speed), f"replay of {rec.run_dir}"))
+        elif self.attach is not None:
+            e = self.attach
+            title = f"attached to session {e.session} (pid {e.pid}; q detaches): {' '.join(e.command)}"
+            self._show_run(RunScreen(AttachFeed(e), title, e.num_nodes))
         elif self.setup:
             assert self.topology is not None and self.demo is not None
             self.push_screen(SetupScreen(self.topology, self.demo, self.last_path))
@@ -210,6 +218,10 @@ class MirageApp(App[int]):
         if isinstance(screen.feed, ReplayFeed):
             screen.feed.stop()  # the player ends at once
             self.exit(STOPPED_EXIT, return_code=STOPPED_EXIT)
+            return
+        if isinstance(screen.feed, AttachFeed):  # detach: the run goes on under its owner
+            screen.feed.stop()
+            self.exit(0, return_code=0)
             return
         if self._quitting or isinstance(self.screen, ConfirmScreen):
             return

@@ -1,4 +1,4 @@
-"""Where the Run screen's events come from: a live session, or a recorded run played back.
+"""Where the Run screen's events come from: a live session, one started elsewhere, or a recorded run.
 
 Each feed runs on its own thread, appends events to its ``buffer`` and posts
 :class:`~mirage_tui.app.messages.EventsReady` to its target; at the end it posts
@@ -20,6 +20,7 @@ from textual.message_pump import MessagePump
 
 from emulator import schema as s
 from mirage_tui.app.messages import EventsReady, ReplayProgress, RunFinished
+from mirage_tui import sessions
 from mirage_tui.replay import Player, Recording
 from mirage_tui.runstate import Outcome
 from mirage_tui.session import LaunchError, Session
@@ -59,6 +60,30 @@ class Feed:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
+    @property
+    def run_dir(self) -> str | None:
+        """The run directory, once there is one."""
+        return None
+
+    def live_ranks(self) -> tuple[dict[int, int], str] | None:
+        """A live run's ranks as ``({rank: pid}, session id)``, to signal them; None if not live."""
+        return None
+
+    def kill_rank(self, rank: int) -> int | None:
+        """SIGKILL ``rank``'s process; return its pid, or None if it has no live process of this run."""
+        live = self.live_ranks()
+        pid = live[0].get(rank) if live else None
+        if live is None or pid is None:
+            return None
+        try:
+            # the pid must still be this run's rank: a pid the kernel gave to another process is not ours to kill
+            if psutil.Process(pid).environ().get("MIRAGE_SESSION") != live[1]:
+                return None
+            os.kill(pid, signal.SIGKILL)
+        except (psutil.Error, ProcessLookupError, PermissionError):
+            return None
+        return pid
+
     def claim(self) -> deque[s.Event]:
         """The buffer, for the screen to drain now; events added from here on are announced anew."""
         self._posted = False  # cleared before the drain, so nothing appended after it is stranded
@@ -94,20 +119,13 @@ class LiveFeed(Feed):
     def _request_stop(self) -> None:
         self._stop_requested.set()
 
-    def kill_rank(self, rank: int) -> int | None:
-        """SIGKILL ``rank``'s process; return its pid, or None if it has no live process of this run."""
+    @property
+    def run_dir(self) -> str | None:
+        return self.session.run.path if self.session else None
+
+    def live_ranks(self) -> tuple[dict[int, int], str] | None:
         session = self.session
-        pid = session.state.rank_pids.get(rank) if session else None
-        if session is None or pid is None:
-            return None
-        try:
-            # the pid must still be this run's rank: a pid the kernel gave to another process is not ours to kill
-            if psutil.Process(pid).environ().get("MIRAGE_SESSION") != session.run.session:
-                return None
-            os.kill(pid, signal.SIGKILL)
-        except (psutil.Error, ProcessLookupError, PermissionError):
-            return None
-        return pid
+        return (dict(session.state.rank_pids), session.run.session) if session else None
 
     def _run(self) -> None:
         try:
@@ -155,6 +173,74 @@ class LiveFeed(Feed):
             self._finish(outcome or Outcome(1, "the run ended without an outcome", session.run.path))
 
 
+class AttachFeed(Feed):
+    """Follow a session another process owns (``mirage-tui --attach``): its journal from the start, then live.
+
+    The owner keeps reaping the run; this feed only reads ``events.jsonl`` as it grows and signals
+    processes (a rank's stacks, killing a rank, SIGINT to the owner to stop the run). Stopping the
+    feed detaches: the run goes on.
+    """
+
+    def __init__(self, entry: sessions.SessionEntry) -> None:
+        super().__init__()
+        self.entry = entry
+        self.rank_pids: dict[int, int] = {}  # from the journal's registrations (this thread writes, others copy)
+        self._detach = threading.Event()
+
+    @property
+    def run_dir(self) -> str:
+        return self.entry.run_dir
+
+    def live_ranks(self) -> tuple[dict[int, int], str] | None:
+        return dict(self.rank_pids), self.entry.session
+
+    def _request_stop(self) -> None:
+        self._detach.set()
+
+    def stop_run(self) -> bool:
+        """Ask the owner to stop the run, as Ctrl-C in its terminal would; False if it is gone."""
+        if not self.entry.alive:
+            return False
+        try:
+            os.kill(self.entry.pid, signal.SIGINT)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def _run(self) -> None:
+        run_dir = self.entry.run_dir
+        try:
+            journal = open(os.path.join(run_dir, "events.jsonl"), "rb")
+        except OSError as e:
+            self._finish(Outcome(1, f"cannot read the session's journal: {e}", run_dir))
+            return
+        partial = b""
+        with journal:
+            while True:
+                owner_gone = not self.entry.alive  # read before the last read: nothing it wrote is missed
+                chunk = journal.read(1 << 20)
+                if chunk:
+                    lines = (partial + chunk).split(b"\n")
+                    partial = lines.pop()  # a line the owner is still writing
+                    for event, _ in s.iter_events(lines):
+                        if isinstance(event, s.RankRegistered):
+                            self.rank_pids[event.rank] = event.pid
+                        self._push(event)
+                        if isinstance(event, s.SessionEnded):
+                            self._finish(Outcome(event.returncode, event.summary, run_dir))
+                            return
+                    continue
+                if self._detach.is_set():
+                    self._finish(Outcome(0, "detached; the run goes on", run_dir))
+                    return
+                if owner_gone:
+                    self._finish(Outcome(1, f"the session's owner (pid {self.entry.pid}) ended without "
+                                         f"recording the run's end (killed?); 'mirage cleanup' removes what it left",
+                                         run_dir))
+                    return
+                self._detach.wait(0.1)
+
+
 class ReplayFeed(Feed):
     """Play a recording through a :class:`Player`; the outcome is the one the recording ended with."""
 
@@ -162,6 +248,10 @@ class ReplayFeed(Feed):
         super().__init__()
         self.recording = recording
         self.player = Player(recording, speed=speed)
+
+    @property
+    def run_dir(self) -> str:
+        return self.recording.run_dir
 
     def _request_stop(self) -> None:
         self.player.stop()

@@ -26,7 +26,7 @@ from textual.widgets import DataTable, Footer, Header, Input, Log, Static, Tree
 from emulator import schema as s
 from mirage_tui import diagnosis, flight_recorder, hang_stacks
 from mirage_tui.app.confirm import ConfirmScreen
-from mirage_tui.app.feeds import Feed, LiveFeed, ReplayFeed
+from mirage_tui.app.feeds import AttachFeed, Feed, LiveFeed, ReplayFeed
 from mirage_tui.app.gpu_pane import GpuMemory
 from mirage_tui.app.inflight_pane import InFlightPane
 from mirage_tui.app.ledger_pane import LedgerGrid, row_rank
@@ -153,7 +153,9 @@ class RunScreen(Screen):
         if action == "hang_stacks":
             return bool(self.state.hang_reports) or None  # None: shown, greyed out, until there is a hang
         if action == "new_run":
-            return not self.replaying and self.outcome is not None
+            return isinstance(self.feed, LiveFeed) and self.outcome is not None
+        if action == "restart":
+            return not isinstance(self.feed, AttachFeed)  # the owner runs it; it alone may start it again
         return True
 
     # ------------------------------------------------------------ events -> fold -> panes
@@ -276,19 +278,21 @@ class RunScreen(Screen):
 
     def action_dump_stacks(self) -> None:
         """Ask every live rank for its Python stacks (on a thread: it waits up to a second), then show them."""
-        session = self.feed.session if isinstance(self.feed, LiveFeed) else None
-        if session is None or not session.state.rank_pids:
+        live = self.feed.live_ranks()
+        run_dir = self.feed.run_dir
+        if live is None or not live[0] or run_dir is None:
             self.notify("no ranks to ask yet", severity="warning")
             return
-        pids = dict(session.state.rank_pids)
+        pids, session = live
+        ranks_dir = os.path.join(run_dir, "ranks")
 
         def dump() -> None:
-            stacks = diagnosis.dump_stacks(pids, session.run.ranks, session.run.session)
+            stacks = diagnosis.dump_stacks(pids, ranks_dir, session)
             ranks = [RankStacks(r, "live", f"rank {r}: pid {pids[r]}",
                                 hang_stacks.current_thread_first(text or "(no answer)"))
                      for r, text in sorted(stacks.items())]
             self.post_message(StacksReady(f"stacks of {len(ranks)} live rank(s) at {time.strftime('%H:%M:%S')} "
-                                          f"(also appended to {session.run.ranks}/rank-N.stacks)", ranks))
+                                          f"(also appended to {ranks_dir}/rank-N.stacks)", ranks))
 
         self.run_worker(dump, thread=True, group="stacks", exclusive=True)
 
@@ -304,11 +308,7 @@ class RunScreen(Screen):
     def action_hang_stacks(self) -> None:
         """Show the Python stacks the session took at the latest hang, the missing ranks' first."""
         report = self.state.hang_reports[-1]
-        if isinstance(self.feed, LiveFeed):
-            run_dir = self.feed.session.run.path if self.feed.session else ""
-        else:
-            assert isinstance(self.feed, ReplayFeed)
-            run_dir = self.feed.recording.run_dir
+        run_dir = self.feed.run_dir or ""
         try:
             ranks = hang_stacks.load(run_dir, report.comm, report.seq, report.path)
         except (OSError, ValueError, KeyError, TypeError) as e:
@@ -360,7 +360,7 @@ class RunScreen(Screen):
         """Kill the selected rank's process (after a yes), as a crash or the OOM killer would."""
         feed = self.feed
         selected = self.query_one(OutputPane).selected
-        if not isinstance(feed, LiveFeed) or selected is None or selected[0] != "rank":
+        if self.replaying or selected is None or selected[0] != "rank":
             self.notify("select a rank in the tree first", severity="warning")
             return
         rank = selected[1]
@@ -381,16 +381,15 @@ class RunScreen(Screen):
     def action_fr_dump(self) -> None:
         """Write Flight-Recorder dumps of the run so far (a replay: of the events played) on a thread."""
         feed = self.feed
-        if isinstance(feed, LiveFeed):
-            if feed.session is None:
+        if not isinstance(feed, ReplayFeed):
+            run_dir = feed.run_dir
+            if run_dir is None:
                 self.notify("the run has not started yet", severity="warning")
                 return
-            run_dir = feed.session.run.path
 
             def dump() -> str:
                 return flight_recorder.dump_run(run_dir)
         else:
-            assert isinstance(feed, ReplayFeed)
             played = feed.recording.events[: feed.player.position]
             out_dir = os.path.join(feed.recording.run_dir, flight_recorder.DUMP_DIR)
 
@@ -423,9 +422,14 @@ class RunScreen(Screen):
     def action_stop(self) -> None:
         """Stop the live run after a yes; the report follows, as after any end."""
         def answered(yes: bool | None) -> None:
-            if yes and self.outcome is None:
-                self.feed.stop(timeout=0)  # asks; the feed's thread tears down and posts RunFinished
-                self.sub_title = "stopping the run..."
+            if not yes or self.outcome is not None:
+                return
+            if isinstance(self.feed, AttachFeed):  # its owner stops it, as after a Ctrl-C there
+                if self.feed.stop_run():
+                    self.sub_title = f"asked the session's owner (pid {self.feed.entry.pid}) to stop the run..."
+                return
+            self.feed.stop(timeout=0)  # asks; the feed's thread tears down and posts RunFinished
+            self.sub_title = "stopping the run..."
 
         self.app.push_screen(ConfirmScreen("Stop the run? Every process of it is ended."), answered)
 
