@@ -114,6 +114,9 @@ class Daemon:
         self.stragglers = StragglerDetector()
         self.rank_pids: dict[int, int] = {}  # global rank -> pid, from Hello
         self.dead: dict[int, str] = {}  # global rank -> how it went
+        # global rank -> pid of ranks that stopped in a debugger (--debug-rank) in this run: their waits are
+        # not hangs while they are stopped, and their arrival times say nothing about stragglers
+        self.debugged: dict[int, int] = {}
         self.arenas: dict[str, Arena] = {}
         # socket-transport inputs received and not yet consumed: comm -> (client, req id) -> the
         # rank's bytes (its data frames, unchanged), kept per communicator so a failure drops them all
@@ -251,6 +254,12 @@ class Daemon:
                 self.reply(client, s.Ok(req=msg.req))
                 self.publish(s.WorldStage(world=msg.world, rank=msg.rank, size=msg.size, site=msg.site,
                                           phase=msg.phase))
+            elif isinstance(msg, s.DebuggerState):
+                self.debugged[msg.rank] = msg.pid
+                self.hangs.debugger(msg.rank, stopped=msg.phase is not s.DebugPhase.RUNNING)
+                self.reply(client, s.Ok(req=msg.req))
+                self.publish(s.RankDebugging(rank=msg.rank, node=msg.node, pid=msg.pid, phase=msg.phase,
+                                             debugger=msg.debugger, address=msg.address, connect=msg.connect))
             elif isinstance(msg, s.StepReport):  # unanswered: the rank does not wait for its books
                 self.publish(s.ClockedStep(**{f: getattr(msg, f) for f in _STEP_FIELDS}))
             elif isinstance(msg, s.MemoryReport):
@@ -263,7 +272,8 @@ class Daemon:
                 self.reply(client, s.Ok(req=msg.req))
                 self.publish(
                     s.CommJoined(
-                        comm=msg.comm, rank=msg.rank, size=msg.size, global_rank=msg.global_rank, transport=msg.transport
+                        comm=msg.comm, rank=msg.rank, size=msg.size, global_rank=msg.global_rank,
+                        transport=msg.transport, name=msg.name, desc=msg.desc,
                     )
                 )
             elif isinstance(msg, s.RegisterBuffer):
@@ -353,7 +363,7 @@ class Daemon:
         if matched is None:
             return
         warning = self.stragglers.observe(comm, matched)
-        if warning is not None:
+        if warning is not None and warning.rank not in self.debugged:
             self.publish(warning)
         if req.direct:  # the ranks moved the data themselves: only the books to keep, nobody to answer
             self.ledger.complete(comm, req.seq)
@@ -394,6 +404,10 @@ class Daemon:
                 del self.rank_pids[rank]
                 self.dead[rank] = f"rank {rank} (pid {pid}) exited"
                 self.publish(s.RankGone(rank=rank, pid=pid))
+        for rank, pid in list(self.debugged.items()):
+            if not alive(pid):  # it died in its debugger ('q'): its peers' waits are hangs (or failures) again
+                del self.debugged[rank]
+                self.hangs.debugger(rank, stopped=False)
         for comm in self.ledger.comms.values():
             if comm.failed or not comm.posted:
                 continue  # an idle communicator of a finished rank is fine until someone posts to it

@@ -4,6 +4,10 @@ NCCL's watchdog notices such a collective after its timeout (10 minutes by
 default) and only from the waiting side. The daemon sees every rank's posts,
 so it can say after ``timeout_s`` which ranks are missing and what each one
 last did, while the run is still alive to be inspected.
+
+A rank stopped in a debugger (``--debug-rank``) is not missing, it is being
+looked at: nobody waiting for it is reported while it is stopped, and the
+timeout of a wait for it counts from when it ran again.
 """
 
 from __future__ import annotations
@@ -20,6 +24,23 @@ class HangDetector:
     def __init__(self, timeout_s: float):
         self.timeout_s = timeout_s
         self._reported: set[tuple[str, int | str]] = set()
+        self._stopped: set[int] = set()  # global ranks stopped in a debugger
+        self._resumed: dict[int, float] = {}  # global rank -> when it last left its debugger
+
+    def debugger(self, rank: int, stopped: bool, now: float | None = None) -> None:
+        """Note that global rank ``rank`` stopped in its debugger, or runs again (or died there)."""
+        if stopped:
+            self._stopped.add(rank)
+        else:
+            self._stopped.discard(rank)
+            self._resumed[rank] = time.monotonic() if now is None else now
+
+    def _since(self, began: float, missing) -> float | None:
+        """When a wait for ``missing`` began to count: None while one of them is stopped in its debugger,
+        else ``began`` or, if later, when the last of them left it."""
+        if not self._stopped.isdisjoint(missing):
+            return None
+        return max([began, *(self._resumed.get(r, began) for r in missing)])
 
     def scan(self, ledger: Ledger, now: float | None = None, busy: frozenset[int] = frozenset()) -> list[HangDetected]:
         """Findings for every collective partially joined for longer than the timeout.
@@ -35,19 +56,20 @@ class HangDetector:
             for (src, dst, n), halves in comm.p2p.items():
                 (posted,) = halves.values()  # a complete pair is never left here
                 key = (comm.comm, f"p2p {src}->{dst} #{n}")
-                waited = now - posted.at
                 peer = _global(comm, dst if src == posted.request.rank else src)
-                if key not in self._reported and waited >= self.timeout_s and peer not in busy:
+                since = self._since(posted.at, (peer,))
+                if key not in self._reported and since is not None and now - since >= self.timeout_s \
+                        and peer not in busy:
                     self._reported.add(key)
-                    found.append(_p2p_finding(comm, posted, peer, waited))
+                    found.append(_p2p_finding(comm, posted, peer, now - since))
             for seq, slot in comm.posted.items():
                 if not slot or (comm.comm, seq) in self._reported:
                     continue
-                waited = now - min(p.at for p in slot.values())
                 missing = {_global(comm, r) for r in range(comm.size) if r not in slot}
-                if waited >= self.timeout_s and not missing & busy:
+                since = self._since(min(p.at for p in slot.values()), missing)
+                if since is not None and now - since >= self.timeout_s and not missing & busy:
                     self._reported.add((comm.comm, seq))
-                    found.append(_finding(comm, seq, waited))
+                    found.append(_finding(comm, seq, now - since))
         return found
 
 
@@ -65,14 +87,17 @@ class HangDetector:
                 continue  # (nobody waits: no need to ask which processes live)
             present = {r: a for r, a in world.arrived.items() if alive(a.pid)}
             waiting = [a.at for a in present.values() if not a.formed]
-            if not waiting or len(present) == world.size or now - min(waiting) < self.timeout_s:
+            if not waiting or len(present) == world.size:
+                continue
+            missing = [r for r in range(world.size) if r not in present]
+            since = self._since(min(waiting), missing)
+            if since is None or now - since < self.timeout_s:
                 continue
             world.reported = True
             joined = sorted(present)
-            missing = [r for r in range(world.size) if r not in present]
             found.append(HangDetected(
                 comm=world.world, seq=0, op=CollOp.BARRIER, dtype="", numel=0, size=world.size,
-                waited_s=round(now - min(waiting), 3), joined=joined, sites=[present[r].site for r in joined],
+                waited_s=round(now - since, 3), joined=joined, sites=[present[r].site for r in joined],
                 missing=missing, last_enqueued=[0] * len(missing), last_completed=[0] * len(missing),
                 kind=HangKind.WORLD,
             ))

@@ -26,6 +26,7 @@ __all__ = [
     "RankRegistered", "RankGone", "MemoryUsage", "CommJoined", "CollectiveEnqueued", "CollectiveStarted",
     "CollectiveProgress", "CollectiveCompleted", "CommFailed", "HangKind", "WorldStage", "HangDetected",
     "StragglerWarning", "HangReport", "ProtocolError", "OutputLine", "ProcessExited", "SessionEnded",
+    "DebugPhase", "DebuggerState", "RankDebugging",
 ]
 
 VERSION = 1
@@ -147,6 +148,10 @@ class CommInit(Request):
     node: int = 0
     host: str = ""  # NCCL_HOSTID: ranks on one host must not share a GPU
     transport: str = "shm"
+    # torch's names for the group, so that readers can show it as torch does: ``group_name`` ("0", "1", or a
+    # hash of the ranks) and ``group_desc`` ("default_pg", "mesh_tp", a new_group's group_desc, "undefined")
+    name: str = ""
+    desc: str = ""
 
 
 class WorldPhase(str, Enum):
@@ -383,6 +388,8 @@ class CommJoined(Event):
     size: int = 1
     global_rank: int = 0
     transport: str = "shm"
+    name: str = ""  # torch's group_name and group_desc, as the rank's CommInit gave them ("": not known)
+    desc: str = ""
 
 
 @dataclass(frozen=True)
@@ -485,11 +492,15 @@ class HangDetected(Event):
     last_completed: list[int] = field(default_factory=list)
     kind: HangKind = HangKind.COLLECTIVE
 
-    def waiting_for(self) -> str:
-        """What the waiting ranks wait in, in words: ``collective #7 (allreduce) of 3f2a…``."""
+    def waiting_for(self, label: str = "") -> str:
+        """What the waiting ranks wait in, in words: ``collective #7 (allreduce) of default_pg``.
+
+        ``label`` names the communicator (a reader's, from its ``comm_joined`` events); without one, the
+        first characters of its id.
+        """
         if self.kind is HangKind.WORLD:
             return f"world formation (init_process_group) of {self.comm[:8]}"
-        return f"collective #{self.seq} ({self.op.value}) of {self.comm[:8]}"
+        return f"collective #{self.seq} ({self.op.value}) of {label or self.comm[:8]}"
 
 
 @dataclass(frozen=True)
@@ -548,3 +559,44 @@ class SessionEnded(Event):
     TYPE: ClassVar[str] = "session_ended"
     returncode: int = 0
     summary: str = ""
+
+
+# ---------------------------------------------------------------- a rank in a debugger (--debug-rank)
+
+
+class DebugPhase(str, Enum):
+    """Where a rank run with ``--debug-rank`` is with its debugger."""
+
+    WAITING = "waiting"  # stopped, listening for a debugger client to connect
+    PAUSED = "paused"  # stopped at the debugger's prompt, a client attached
+    RUNNING = "running"  # running again (continued, stepping to the next line, or the client left)
+
+
+@dataclass(frozen=True)
+class DebuggerState(Request):
+    """Rank ``rank`` (process ``pid``) entered or left its debugger; while stopped, nobody should wait on it
+    as if it hung. ``address`` is where the debugger listens (``127.0.0.1:PORT``), ``connect`` the command
+    that attaches to it."""
+
+    TYPE: ClassVar[str] = "debugger_state"
+    rank: int = 0
+    node: int = 0
+    pid: int = 0
+    phase: DebugPhase = DebugPhase.WAITING
+    debugger: str = "pdb"  # or "debugpy"
+    address: str = ""
+    connect: str = ""
+
+
+@dataclass(frozen=True)
+class RankDebugging(Event):
+    """A rank's ``DebuggerState``, as the daemon recorded it."""
+
+    TYPE: ClassVar[str] = "rank_debugging"
+    rank: int = 0
+    node: int = 0
+    pid: int = 0
+    phase: DebugPhase = DebugPhase.WAITING
+    debugger: str = "pdb"
+    address: str = ""
+    connect: str = ""

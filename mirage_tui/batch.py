@@ -10,12 +10,13 @@ import sys
 
 from emulator import schema as s
 from mirage_tui import report
-from mirage_tui.runstate import Outcome
+from mirage_tui.runstate import Outcome, RunState
 from mirage_tui.session import LaunchError, Session
 from mirage_tui.topology import Topology
 
 
-def _print_event(event: s.Event) -> None:
+def _print_event(event: s.Event, state: RunState) -> None:
+    """Print what batch mode shows of ``event``; ``state`` is the session's fold, which has already taken it."""
     if isinstance(event, s.OutputLine):
         prefix = f"[{event.rank}]" if event.rank >= 0 else f"[node{event.node}]"
         out = sys.stdout if event.stream is s.Stream.STDOUT else sys.stderr
@@ -26,11 +27,15 @@ def _print_event(event: s.Event) -> None:
     elif isinstance(event, s.StragglerWarning):
         print(
             f"mirage: warning: rank {event.rank} arrived last at {event.count} collectives in a row of communicator "
-            f"{event.comm[:8]}, {event.mean_margin_s:.2f} s after the others on average (a straggler)",
+            f"{state.comm_label(event.comm)}, {event.mean_margin_s:.2f} s after the others on average (a straggler)",
             file=sys.stderr, flush=True,
         )
+    elif isinstance(event, s.RankDebugging) and event.phase is s.DebugPhase.WAITING:
+        print(f"mirage: DEBUG: rank {event.rank} is stopped and waits for a debugger ({event.debugger}): "
+              f"{event.connect}", file=sys.stderr, flush=True)
     elif isinstance(event, s.CommFailed):
-        print(f"mirage: communicator {event.comm[:8]} failed: {event.code}: {event.message}", file=sys.stderr, flush=True)
+        print(f"mirage: communicator {state.comm_label(event.comm)} failed: {event.code}: {event.message}",
+              file=sys.stderr, flush=True)
 
 
 class _Interrupted(Exception):
@@ -44,7 +49,8 @@ def run_batch(topology: Topology) -> int:
     def on_signal(signum, frame):
         raise _Interrupted(signum)
 
-    session = Session(topology, _print_event)
+    # the session folds each event before its sink sees it, on the same thread: the sink reads the fold
+    session = Session(topology, lambda event: _print_event(event, session.state))
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     outcome: Outcome | None = None
     try:

@@ -155,6 +155,14 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
         help="after a hang report: stop the run (exit 124) or keep it running for inspection (default: exit)",
     )
     parser.add_argument(
+        "--debug-rank",
+        type=int,
+        metavar="R",
+        help="rank R stops before its program runs and waits for a debugger on a loopback port (pdb; "
+        "MIRAGE_DEBUGGER=debugpy for an IDE, where debugpy is installed; the line to connect is printed); the "
+        "other ranks run on, and a rank stopped in the debugger is not reported as a hang",
+    )
+    parser.add_argument(
         "--exec-mode",
         choices=[m.value for m in ExecMode],
         default=ExecMode.FUNCTIONAL.value,
@@ -204,6 +212,7 @@ def _topology(ns: argparse.Namespace, command: tuple[str, ...] | None, help_prog
             nproc_per_node=ns.nproc_per_node,
             workdir=ns.workdir,
             clear_env=ns.clear_env_vars,
+            debug_rank=ns.debug_rank,
         )
         validate(topology)
         check_combination(topology)
@@ -368,7 +377,7 @@ def _print_status(run_dir: str | None, log_dir: str | None, fr_dump: bool) -> in
     print(state.ledger_table(now=None if state.ended else time.time()))
     print(state.memory_table())
     for h in state.hangs:
-        print(f"hang: {h.waiting_for()}: missing ranks {set(h.missing)}")
+        print(f"hang: {h.waiting_for(state.comm_label(h.comm))}: missing ranks {set(h.missing)}")
     if fr_dump:
         from mirage_tui import flight_recorder
 

@@ -36,12 +36,19 @@ class RankState:
 class HangDiagnosis:
     finding: HangDetected
     ranks: dict[int, RankState]
+    comm_label: str = ""  # the communicator as torch names it (``RunState.comm_label``); "" if unknown
+
+    @property
+    def label(self) -> str:
+        """The communicator's name in the report's text: torch's, else its id's first characters."""
+        return self.comm_label or self.finding.comm[:8]
 
     def to_json(self) -> dict:
         f = self.finding
         return {
             "kind": f.kind.value,
             "comm": f.comm,
+            "comm_label": self.label if f.kind is HangKind.COLLECTIVE else None,
             "seq": f.seq,
             "op": f.op.name,
             "dtype": f.dtype,
@@ -116,8 +123,10 @@ def diagnose(
     last_output: dict[int, tuple[str, float]],
     ranks_dir: str,
     session: str,
+    comm_label: str = "",
 ) -> HangDiagnosis:
-    """Gather each rank's state for ``finding`` (signals the ranks for their stacks)."""
+    """Gather each rank's state for ``finding`` (signals the ranks for their stacks); ``comm_label`` names its
+    communicator as the reader's fold does."""
     stacks = dump_stacks(rank_pids, ranks_dir, session)
     now = time.time()
     ranks = {}
@@ -131,7 +140,7 @@ def diagnose(
             last_output_age_s=None if at is None else round(now - at, 1),
             stacks=stacks.get(rank, ""),
         )
-    return HangDiagnosis(finding, ranks)
+    return HangDiagnosis(finding, ranks, comm_label)
 
 
 def _innermost_user_frame(stacks: str) -> str:
@@ -171,7 +180,7 @@ def render(d: HangDiagnosis) -> str:
         return _render_world(d)
     what = "message" if f.op in (CollOp.SEND, CollOp.RECV) else "collective"
     lines = [
-        f"HANG: {what} #{f.seq} ({f.op.name}, {f.numel} x {f.dtype}) of communicator {f.comm[:8]} "
+        f"HANG: {what} #{f.seq} ({f.op.name}, {f.numel} x {f.dtype}) of communicator {d.label} "
         f"({f.size} ranks) has waited {f.waited_s:.1f} s",
         f"  joined ranks: {{{', '.join(map(str, f.joined))}}}",
         f"  missing ranks: {{{', '.join(map(str, f.missing))}}}",
@@ -237,7 +246,7 @@ def write(d: HangDiagnosis, run_dir: str) -> str:
         json.dump(reports, f, indent=2)
     with open(os.path.join(run_dir, "stacks.txt"), "a") as f:
         what = (f"world formation of {d.finding.comm}" if d.finding.kind is HangKind.WORLD
-                else f"collective #{d.finding.seq} of communicator {d.finding.comm[:8]}")
+                else f"collective #{d.finding.seq} of communicator {d.label}")
         f.write(f"=== hang: {what} ===\n")
         for rank, s in d.ranks.items():
             f.write(f"--- rank {rank} (pid {s.pid}, {s.process}) ---\n{s.stacks or '(no stacks)'}\n\n")

@@ -175,9 +175,11 @@ def _fold(events: Iterable[s.Event]) -> tuple[dict[str, _Group], list[_Call], se
         elif isinstance(e, s.CommJoined):
             g = groups.get(e.comm)
             if g is None:
-                # torch names groups "0", "1", ... in creation order, the first being the default group
+                # torch's names as the ranks sent them; a journal without them: torch names groups "0", "1",
+                # ... in creation order, the first being the default group
                 n = len(groups)
-                g = groups[e.comm] = _Group(n, str(n), "default_pg" if n == 0 else "undefined", e.size)
+                g = groups[e.comm] = _Group(n, e.name or str(n), e.desc or ("default_pg" if n == 0 else "undefined"),
+                                            e.size)
             g.global_of[e.rank] = e.global_rank
             ranks.add(e.global_rank)
         elif isinstance(e, s.CollectiveEnqueued):

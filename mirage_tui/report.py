@@ -9,6 +9,8 @@ import json
 import os
 import sys
 
+from emulator.schema import HangKind
+from mirage_tui.glyphs import human_bytes
 from mirage_tui.rundir import RunDir
 from mirage_tui.runstate import Outcome, RunState, human_seconds
 from mirage_tui.topology import ExecMode, Topology
@@ -42,6 +44,24 @@ def _clocked_lines(state: RunState) -> list[str]:
     return out
 
 
+def _comm_lines(state: RunState) -> list[str]:
+    """The Report screen's communicators: collectives completed, their bytes, the ranks' waiting, the slowest rank."""
+    out = ["", "communicators"]
+    width = max((len(c.title) for c in state.comms.values()), default=0)
+    for c in state.comms.values():
+        line = (f"  {c.title:<{width}}  {c.size} ranks  {c.collectives:>6} collectives  "
+                f"{human_bytes(c.bytes_done):>10}  waited {human_seconds(c.wait_s)}")
+        slowest = c.slowest_rank
+        if slowest is not None:
+            line += f"  slowest rank {slowest} (last at {c.last_arrivals[slowest]} of {sum(c.last_arrivals.values())})"
+        out.append(line + (", FAILED" if c.failed else ""))
+    if not state.comms:
+        out.append("  (no communicator)")
+    else:
+        out.append("  waited: summed over ranks, from each rank's post to the collective's start")
+    return out
+
+
 def render(state: RunState, outcome: Outcome, run_dir: str, skipped: int = 0) -> str:
     """The report as plain text lines: exit codes, durations, findings, log paths."""
     paths = RunDir(path=run_dir, session="", token="")  # only its path-naming rules are used
@@ -61,9 +81,11 @@ def render(state: RunState, outcome: Outcome, run_dir: str, skipped: int = 0) ->
     for rank, r in ranks.items():
         assert r.registered_at is not None  # registered
         ran = f"{r.ended_at - r.registered_at:6.1f} s" if r.ended_at is not None else "  (no end)"
-        out.append(f"  rank {rank}  node {r.node}  pid {r.pid:<7} ran {ran}  log {paths.rank_log(rank)}")
+        peak = f"peak {human_bytes(r.peak_memory):>9}  " if r.peak_memory else ""
+        out.append(f"  rank {rank}  node {r.node}  pid {r.pid:<7} ran {ran}  {peak}log {paths.rank_log(rank)}")
     if not ranks:
         out.append("  (no rank registered)")
+    out += _comm_lines(state)
     if state.clocked:
         out += _clocked_lines(state)
     out += ["", "findings"]
@@ -89,13 +111,16 @@ def to_json(state: RunState, topology: Topology, outcome: Outcome | None, run: R
         "duration_s": None if st.started_at is None else round(st.last_t - st.started_at, 3),
         "nodes": {str(n): {"returncode": code, "log": run.node_log(n)} for n, code in st.node_exits.items()},
         "ranks": {
-            str(r): {"pid": pid, "log": run.rank_log(r)}
+            # peak: the largest allocation peak its GPUs reported (bytes), None if it reported none
+            str(r): {"pid": pid, "log": run.rank_log(r),
+                     "peak_gpu_memory": st.ranks[r].peak_memory if r in st.ranks and st.ranks[r].peak_memory else None}
             for r, pid in sorted(st.rank_pids.items())
         },
         "communicators": st.to_json(),
         "gpu_memory": st.memory_json(),
         "hangs": [
-            {"kind": h.kind.value, "comm": h.comm, "seq": h.seq, "op": h.op.name, "joined": h.joined,
+            {"kind": h.kind.value, "comm": h.comm, "comm_label": st.comm_label(h.comm) if h.kind is HangKind.COLLECTIVE else None, "seq": h.seq,
+             "op": h.op.name, "joined": h.joined,
              "missing": h.missing, "waited_s": h.waited_s}
             for h in st.hangs
         ],

@@ -70,15 +70,64 @@ class RankColl:
     enqueued_at: float = 0.0
 
 
+@dataclass(slots=True)
+class Arrivals:
+    """The ranks that posted one collective so far: when, relative to the first, and who came last."""
+
+    first_t: float
+    after_first_s: float = 0.0  # summed over the ranks: how long after the first each posted
+    ranks: int = 1
+    last_t: float = 0.0
+    last_rank: int = 0
+
+
+#: Point-to-point messages are numbered per pair of ranks, not per communicator: their arrivals are not
+#: a collective's, so they count towards neither waiting time nor the slowest rank.
+_P2P = (s.CollOp.SEND, s.CollOp.RECV)
+
+
 @dataclass
 class CommState:
+    """One communicator: who is in it, where each rank is in its ledger, and what it carried so far."""
+
     comm: str
     size: int
     transport: str = "shm"
+    name: str = ""  # torch's group_name ("" in a journal recorded before ranks sent it)
+    desc: str = ""  # torch's group_desc: "default_pg", "mesh_tp", a new_group's, "undefined"
     ranks: dict[int, RankColl] = field(default_factory=dict)  # global rank -> position
     global_of: dict[int, int] = field(default_factory=dict)  # communicator rank -> global rank
     failed: str = ""
-    bytes_done: int = 0
+    bytes_done: int = 0  # coll_completed's total_bytes, summed
+    collectives: int = 0  # completed (point-to-point messages included)
+    # summed over its ranks and collectives: the time from a rank's post (coll_enqueued) to the
+    # collective's start (coll_started), i.e. how long ranks waited for the last one to arrive
+    wait_s: float = 0.0
+    last_arrivals: dict[int, int] = field(default_factory=dict)  # global rank -> collectives it posted last
+    arriving: dict[int, Arrivals] = field(default_factory=dict)  # seq -> its posts so far, until it starts
+
+    @property
+    def base_name(self) -> str:
+        """torch's name for it: its description; ``group <name>`` for one without (torch's "undefined");
+        the first characters of its id in a journal that does not name it."""
+        if self.desc and self.desc != "undefined":
+            return self.desc
+        if self.name:
+            return f"group {self.name[:8]}"
+        return self.comm[:8]
+
+    @property
+    def title(self) -> str:
+        """Its name with its id's first characters, as the report and ``mirage status`` head it."""
+        base = self.base_name
+        return base if base == self.comm[:8] else f"{base} ({self.comm[:8]})"
+
+    @property
+    def slowest_rank(self) -> int | None:
+        """The global rank that posted last most often (a tie: the lowest); None before any collective started."""
+        if not self.last_arrivals:
+            return None
+        return max(sorted(self.last_arrivals), key=self.last_arrivals.__getitem__)
 
 
 @dataclass
@@ -99,6 +148,7 @@ class RankStatus:
     failed: bool = False  # raised and ended, killed from the console, or (launched directly) exited non-zero
     hung: str = ""  # "stuck" (waits in a reported hang) or "missing" (a hang waits for it)
     gpus: set[int] = field(default_factory=set)  # the node's GPU indices it used
+    peak_memory: int = 0  # bytes: the largest allocation peak any of its GPUs reported
 
 
 @dataclass
@@ -291,6 +341,7 @@ class RunState:
     profile: str = ""  # as the daemon announced it
     clocked_steps: dict[int, list[s.ClockedStep]] = field(default_factory=dict)  # rank -> steps, in order
     clocked_colls: dict[str, deque[ClockedColl]] = field(default_factory=dict)  # comm -> the latest
+    _named: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)  # name -> comms
     _prediction: tuple[int, Prediction | None] = field(default=(-1, None), init=False, repr=False, compare=False)
 
     def apply(self, e: s.Event) -> Changed:
@@ -338,7 +389,10 @@ class RunState:
         return Changed.RANKS
 
     def _joined(self, e: s.CommJoined) -> Changed:
-        c = self.comms.setdefault(e.comm, CommState(e.comm, e.size, e.transport))
+        c = self.comms.get(e.comm)
+        if c is None:
+            c = self.comms[e.comm] = CommState(e.comm, e.size, e.transport, e.name, e.desc)
+            self._named[c.base_name] = self._named.get(c.base_name, 0) + 1
         c.global_of[e.rank] = e.global_rank
         c.ranks.setdefault(e.global_rank, RankColl())
         return Changed.LEDGER | Changed.RANKS
@@ -352,6 +406,15 @@ class RunState:
             pos.last_enqueued, pos.op, pos.numel, pos.dtype = e.seq, e.op.name, e.numel, e.dtype
             pos.site, pos.enqueued_at = e.site, e.t
             self._rank(rank).gpus.add(e.device)
+            if e.op not in _P2P:
+                a = c.arriving.get(e.seq)
+                if a is None:
+                    c.arriving[e.seq] = Arrivals(e.t, 0.0, 1, e.t, rank)
+                else:
+                    a.after_first_s += e.t - a.first_t
+                    a.ranks += 1
+                    if e.t >= a.last_t:  # the same instant: the daemon's order decides
+                        a.last_t, a.last_rank = e.t, rank
         return Changed.LEDGER | Changed.RANKS
 
     def _started(self, e: s.CollectiveStarted) -> Changed:
@@ -359,6 +422,12 @@ class RunState:
         if c is not None:
             for pos in c.ranks.values():
                 pos.last_started = max(pos.last_started, e.seq)
+            a = c.arriving.pop(e.seq, None) if e.op not in _P2P else None
+            if a is not None:
+                # every rank waited from its post to this start: ranks x (start - first post) - the posts' lag
+                c.wait_s += max(0.0, a.ranks * (e.t - a.first_t) - a.after_first_s)
+                if c.size > 1:
+                    c.last_arrivals[a.last_rank] = c.last_arrivals.get(a.last_rank, 0) + 1
         return Changed.LEDGER | Changed.RANKS | self._traffic(e)
 
     def _completed(self, e: s.CollectiveCompleted) -> Changed:
@@ -367,6 +436,7 @@ class RunState:
             for pos in c.ranks.values():
                 pos.last_completed = max(pos.last_completed, e.seq)
             c.bytes_done += e.total_bytes
+            c.collectives += 1
         changed = Changed.LEDGER | Changed.RANKS | self._traffic(e)
         if e.emulated_end > 0:  # clocked mode: its place in emulated time
             colls = self.clocked_colls.setdefault(e.comm, deque(maxlen=CLOCKED_COLLECTIVES))
@@ -387,13 +457,13 @@ class RunState:
         if c is not None:
             c.failed = f"{e.code}: {e.message}"
         self.findings.append(Finding(classify_comm_failure(e.code, e.message),
-                                     f"communicator {e.comm[:8]}: {e.code}: {e.message}"))
+                                     f"communicator {self.comm_label(e.comm)}: {e.code}: {e.message}"))
         return self._traffic(e)
 
     def _hang(self, e: s.HangDetected) -> Changed:
         self.hangs.append(e)
         self.findings.append(Finding(
-            "hang", f"{e.waiting_for()}: missing ranks "
+            "hang", f"{e.waiting_for(self.comm_label(e.comm))}: missing ranks "
             f"{{{', '.join(map(str, e.missing))}}}, joined {{{', '.join(map(str, e.joined))}}}, "
             f"waited {e.waited_s:.1f} s"))
         for rank in e.joined:
@@ -408,7 +478,7 @@ class RunState:
 
     def _straggler(self, e: s.StragglerWarning) -> Changed:
         self.findings.append(Finding(
-            "straggler", f"rank {e.rank} arrived last at {e.count} collectives in a row of {e.comm[:8]}, "
+            "straggler", f"rank {e.rank} arrived last at {e.count} collectives in a row of {self.comm_label(e.comm)}, "
             f"{e.mean_margin_s:.2f} s behind on average"))
         return Changed.NOTHING
 
@@ -416,7 +486,10 @@ class RunState:
         key = (e.rank, e.device)
         self.memory[key] = e
         self.memory_history.setdefault(key, deque(maxlen=MEMORY_HISTORY)).append(e.allocated)
-        self._rank(e.rank).gpus.add(e.device)
+        status = self._rank(e.rank)
+        status.gpus.add(e.device)
+        # the peak as reported, or what is allocated now if the program reset its peak since
+        status.peak_memory = max(status.peak_memory, e.peak, e.allocated)
         return Changed.MEMORY | Changed.RANKS
 
     def _process_exited(self, e: s.ProcessExited) -> Changed:
@@ -436,6 +509,14 @@ class RunState:
     def _session_ended(self, e: s.SessionEnded) -> Changed:
         self.ended = e
         return Changed.NOTHING
+
+    def comm_label(self, comm: str) -> str:
+        """How every reader names communicator ``comm``: torch's name for it (see :attr:`CommState.base_name`),
+        with its id's first characters where another communicator has the same name (``mesh_tp (794f54dd)``)."""
+        c = self.comms.get(comm)
+        if c is None:
+            return comm[:8]
+        return c.title if self._named.get(c.base_name, 0) > 1 else c.base_name
 
     def rank_killed(self, rank: int) -> None:
         """The console killed ``rank``'s process: it failed, whatever its node's exit code says later."""
@@ -623,7 +704,7 @@ class RunState:
         now = self.last_t if now is None else now
         out = []
         for c in self.comms.values():
-            head = f"communicator {c.comm[:8]}: {c.size} ranks, {c.transport}"
+            head = f"communicator {c.title}: {c.size} ranks, {c.transport}"
             out.append(head + (f", FAILED ({c.failed})" if c.failed else ""))
             out.append(f"  {'rank':>4}  {'enqueued':>8}  {'started':>7}  {'completed':>9}  {'op':<14} "
                        f"{'numel':>10} {'dtype':<8} {'age':>7}  call site")
@@ -660,12 +741,20 @@ class RunState:
         return out
 
     def to_json(self) -> dict:
-        """The per-communicator part of the run's JSON report."""
+        """The per-communicator part of the run's JSON report: identity, what it carried, every rank's position."""
         return {
             c.comm: {
+                "name": c.name or None,
+                "desc": c.desc or None,
+                "label": self.comm_label(c.comm),
                 "size": c.size,
                 "transport": c.transport,
                 "failed": c.failed or None,
+                "collectives": c.collectives,
+                "bytes": c.bytes_done,
+                "wait_s": round(c.wait_s, 6),
+                "slowest_rank": c.slowest_rank,
+                "last_arrivals": {str(r): n for r, n in sorted(c.last_arrivals.items())},
                 "ranks": {
                     str(r): {
                         "last_enqueued": p.last_enqueued,

@@ -344,6 +344,8 @@ class Session:
             env["MIRAGE_HBM_BYTES"] = str(topo.hbm_bytes)
         if topo.faults:
             env[faults.ENV] = ";".join(f.spec() for f in topo.faults)
+        if topo.debug_rank is not None:  # that rank waits for a debugger before its program runs (shim.debugger)
+            env["MIRAGE_DEBUG_RANK"] = str(topo.debug_rank)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_BOOT_DIR, env.get("PYTHONPATH")) if p)
         return env
 
@@ -483,8 +485,10 @@ class Session:
                 finding = self._hangs.get_nowait()
             except queue.Empty:
                 return summary
+            label = self.state.comm_label(finding.comm)
             d = diagnosis.diagnose(
-                finding, dict(self.state.rank_pids), dict(self.state.last_output), self.run.ranks, self.run.session
+                finding, dict(self.state.rank_pids), dict(self.state.last_output), self.run.ranks, self.run.session,
+                label,
             )
             try:
                 path = diagnosis.write(d, self.run.path)
@@ -500,7 +504,7 @@ class Session:
             self.emit(s.HangReport(comm=finding.comm, seq=finding.seq, text=text, path=path))
             missing = ", ".join(map(str, finding.missing))
             what = (f"world formation (init_process_group) of {finding.comm}" if finding.kind is s.HangKind.WORLD
-                    else f"collective #{finding.seq} ({finding.op.name})")
+                    else f"collective #{finding.seq} ({finding.op.name}) of {label}")
             summary = summary or f"hang in {what}: missing ranks {{{missing}}}; report: {path}"
 
     def _failure_summary(self, index: int, code: int) -> str:

@@ -82,11 +82,21 @@ class Topology:
     nproc_per_node: int | None = None
     workdir: str | None = None  # --workdir: the folder the command runs in (default: mirage's own)
     clear_env: bool = False  # --clear-env-vars: the command starts from an almost empty environment
+    debug_rank: int | None = None  # --debug-rank: this global rank waits for a debugger before its program runs
 
     @property
     def world_gpus(self) -> int:
         """How many GPUs the whole cluster has."""
         return self.num_nodes * self.gpus_per_node
+
+    def max_ranks(self) -> tuple[int, str]:
+        """How many ranks the run can have, and why: what mirage starts itself with ``--nproc-per-node``, one
+        process with ``--in-process``, else (torchrun, or a launcher inside the program) one per GPU."""
+        if self.in_process:
+            return 1, "--in-process runs one process"
+        if self.nproc_per_node is not None:
+            return self.num_nodes * self.nproc_per_node, f"{self.num_nodes} node(s) x --nproc-per-node {self.nproc_per_node}"
+        return self.world_gpus, f"{self.num_nodes} node(s) x {self.gpus_per_node} GPU(s)"
 
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*\Z", re.IGNORECASE)
@@ -140,6 +150,11 @@ def validate(topology: Topology) -> None:
         raise UsageError(f"--nproc-per-node must be between 1 and {MAX_NPROC_PER_NODE}, got {nproc}")
     if topology.workdir is not None:
         _check_workdir(topology.workdir)
+    if topology.debug_rank is not None:
+        ranks, why = topology.max_ranks()
+        if not 0 <= topology.debug_rank < ranks:
+            raise UsageError(f"--debug-rank must be a rank of the run, 0 to {ranks - 1} ({why}), "
+                             f"got {topology.debug_rank}")
     if not topology.command:
         raise UsageError(
             "missing command: put the program after --, e.g. mirage run -- python train.py"

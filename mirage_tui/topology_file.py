@@ -20,7 +20,7 @@ LAST_PATH = os.path.join(".mirage", "last-topology.toml")
 # field -> the TOML type it must have (a float field also takes an integer)
 _TYPES: dict[str, type] = {"profile": str, "num_nodes": int, "gpus_per_node": int, "in_process": bool,
                            "hang_timeout_s": float, "hbm_bytes": int, "exec_mode": str, "command": list,
-                           "env": dict}
+                           "nproc_per_node": int, "workdir": str, "clear_env": bool, "debug_rank": int, "env": dict}
 
 
 def dumps(topology: Topology) -> str:
@@ -36,9 +36,13 @@ def dumps(topology: Topology) -> str:
         f"hang_timeout_s = {float(topology.hang_timeout_s)!r}",
         f"in_process = {str(topology.in_process).lower()}",
         f"exec_mode = {q(topology.exec_mode.value)}",
-        # TOML has no null: a topology on the profile's HBM has no hbm_bytes line
+        # TOML has no null: a flag not given has no line (the profile's HBM, the launcher's ranks, ...)
         *([f"hbm_bytes = {topology.hbm_bytes}"] if topology.hbm_bytes is not None else []),
         f"command = [{', '.join(q(a) for a in topology.command)}]",
+        *([f"nproc_per_node = {topology.nproc_per_node}"] if topology.nproc_per_node is not None else []),
+        *([f"workdir = {q(topology.workdir)}"] if topology.workdir is not None else []),
+        f"clear_env = {str(topology.clear_env).lower()}",
+        *([f"debug_rank = {topology.debug_rank}"] if topology.debug_rank is not None else []),
         "",
         "[env]",
         *(f"{q(k)} = {q(v)}" for k, v in topology.env),

@@ -7,6 +7,7 @@ here. Times are the events' own, so a replay draws what the live run drew.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from emulator import schema as s
@@ -83,11 +84,17 @@ class Traffic:
         rates = [b for _, b in self.per_second]
         return f"throughput {sparkline(rates)} {human_bytes(rates[-1] if rates else 0)}/s"
 
-    def lines(self, now: float) -> list[str]:
-        """One line per collective in flight, oldest first: op, seq, communicator, bar, bytes, age at ``now``."""
+    def lines(self, now: float, name: Callable[[str], str] | None = None) -> list[str]:
+        """One line per collective in flight, oldest first: op, seq, communicator, bar, bytes, age at ``now``.
+
+        ``name`` names a communicator (the fold's :meth:`~mirage_tui.runstate.RunState.comm_label`); without
+        it, its id's first characters.
+        """
+        names = {comm: name(comm) if name else comm[:8] for comm, _ in self.inflight}
+        width = max(map(len, names.values()), default=0)
         out = []
         for (comm, seq), job in self.inflight.items():
             fraction = job.done / job.total if job.total else 0.0
-            out.append(f"{job.op or '?':<14} #{seq:<5} {comm[:8]} {bar(fraction, BAR)} {fraction:4.0%} "
+            out.append(f"{job.op or '?':<14} #{seq:<5} {names[comm]:<{width}} {bar(fraction, BAR)} {fraction:4.0%} "
                        f"{human_bytes(job.done)} of {human_bytes(job.total)}, {max(0.0, now - job.started):.1f} s")
         return out

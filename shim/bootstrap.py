@@ -4,7 +4,8 @@ Run from ``sitecustomize`` before any user code. A process is one of:
 - torchrun's agent: only counts the node's emulated GPUs (``--nproc_per_node=gpu``
   or ``auto``); its lines reach the session as ``[node<n>]``;
 - a rank (the first non-agent Python process of a node, or a torchrun worker):
-  its output goes to the rank files, and torch is emulated once imported;
+  its output goes to the rank files, and torch is emulated once imported (the
+  rank ``--debug-rank`` names waits for a debugger first: ``shim.debugger``);
 - a descendant of a rank (DataLoader workers, ``mp.spawn`` children): torch is
   emulated, output stays with the rank that started it until it forms a world
   of its own (``shim.world`` then claims the rank ``init_process_group`` gives it).
@@ -95,4 +96,8 @@ def boot() -> None:
         rank = registration.RANK = int(os.environ.get("RANK", "0"))
         capture(os.environ["MIRAGE_RUN_DIR"], rank)
         arm_stack_dumps(os.environ["MIRAGE_RUN_DIR"], rank)
+        if os.environ.get("MIRAGE_DEBUG_RANK") == str(rank):  # --debug-rank: stop before the program runs
+            from shim.debugger import wait_for_debugger
+
+            wait_for_debugger(rank)
     _after_torch(_activate)

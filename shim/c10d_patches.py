@@ -12,6 +12,7 @@ its module's GPU.
 from __future__ import annotations
 
 import functools
+import inspect
 import weakref
 from datetime import timedelta
 
@@ -23,7 +24,7 @@ from shim import comm_stream as stream
 from shim import comms_profiler as prof
 from shim import device as dev
 from shim import pinned
-from shim.process_group import MirageProcessGroup, creating_ranks
+from shim.process_group import MirageProcessGroup, creating
 from shim.tensor import MirageTensor
 
 NAME = "mirage"
@@ -204,6 +205,7 @@ def install() -> None:
     dist.Backend.register_backend(NAME, _create, devices=["cuda", NAME])
     dist.Backend.register_backend(NAME_WITH_GLOO, _create_with_gloo, devices=["cpu", "cuda", NAME])
     helper = c10d._new_process_group_helper
+    signature = inspect.signature(helper)
     register = c10d._register_pg_in_world
     asked: list[str] = []  # what the user asked for, shown back by get_backend
 
@@ -212,11 +214,19 @@ def install() -> None:
         if ours in (NAME, NAME_WITH_GLOO):
             asked.append("nccl" if ours == NAME else str(backend))
             kwargs["device_id"] = None  # eager init needs a C++ backend per device; ours connects lazily
-        creating_ranks[:] = global_ranks_in_group or []
+        try:
+            named = signature.bind_partial(group_size, group_rank, global_ranks_in_group, ours, *args,
+                                           **kwargs).arguments
+        except TypeError:  # arguments torch's helper refuses: let it say so, in its own words
+            named = {}
+        # torch's own default for a group without a description (its helper turns None into "undefined")
+        desc = named.get("group_desc")
+        creating.begin(list(global_ranks_in_group or []), str(named.get("group_name") or ""),
+                       "undefined" if desc is None else str(desc))
         try:
             return helper(group_size, group_rank, global_ranks_in_group, ours, *args, **kwargs)
         finally:
-            creating_ranks.clear()
+            creating.end()
 
     def register_pg_in_world(pg, *args, backend_name=None, backend_config=None, **kwargs):
         if str(backend_name) in (NAME, NAME_WITH_GLOO):

@@ -13,6 +13,7 @@ Allocations that would take a GPU past its capacity (the profile's HBM,
 
 from __future__ import annotations
 
+import atexit
 import collections
 import os
 import threading
@@ -328,37 +329,56 @@ def start_reporter(rank: int, node: int) -> None:
     """Tell the daemon, a few times a second while it changes, what each GPU of this rank holds.
 
     Called again (a launcher's child learns its rank in ``init_process_group``),
-    the running reporter speaks for the new rank from then on.
+    the running reporter speaks for the new rank from then on. The last figures
+    go out at exit too.
     """
-    from emulator.schema import MemoryReport
-    from shim.client import client
-
-    global _reporting_as
+    global _reporting_as, _reporter_pid
     started = _reporting_as is not None
     _reporting_as = (rank, node)
     if started:
         return
+    _reporter_pid = os.getpid()
 
     def run() -> None:
-        seen = None
         while True:
             time.sleep(REPORT_INTERVAL_S)
-            ALLOCATOR.sync()
-            if (ALLOCATOR.version, _reporting_as) == seen:
-                continue
-            seen = (ALLOCATOR.version, _reporting_as)
-            rank, node = _reporting_as
-            for i, d in enumerate(ALLOCATOR.devices):
-                if not d.bytes_in[0] + d.bytes_in[1]:
-                    continue  # a GPU this rank never touched
-                report = MemoryReport(rank=rank, node=node, device=dev.STATE.physical[i], allocated=d.allocated,
-                                      reserved=d.reserved_total, peak=d.all_peak, total=d.capacity)
-                try:
-                    client().request(report, timeout_s=5.0)
-                except Exception:
-                    return  # the daemon is gone: the run is ending, and the collectives will say so
+            if not _report(timeout_s=5.0):
+                return  # the daemon is gone: the run is ending, and the collectives will say so
 
     threading.Thread(target=run, name="mirage-memory-report", daemon=True).start()
+    # a program that ends within a report interval of its last allocation still reports its peak
+    atexit.register(_report, timeout_s=1.0)
+
+
+_report_lock = threading.Lock()  # the reporter's thread and the exit hook
+_reported: tuple | None = None  # (allocator version, (rank, node)) as last reported
+_reporter_pid = 0  # the process that started the reporter: a forked child inherits the exit hook, not the rank
+
+
+def _report(timeout_s: float) -> bool:
+    """Send every GPU's figures this rank touched, if they changed since the last report; False if the
+    daemon could not be reached."""
+    from emulator.schema import MemoryReport
+    from shim.client import client
+
+    global _reported
+    with _report_lock:
+        ALLOCATOR.sync()
+        now = (ALLOCATOR.version, _reporting_as)
+        if now == _reported or _reporting_as is None or os.getpid() != _reporter_pid:
+            return True
+        _reported = now
+        rank, node = _reporting_as
+        for i, d in enumerate(ALLOCATOR.devices):
+            if not d.bytes_in[0] + d.bytes_in[1]:
+                continue  # a GPU this rank never touched
+            report = MemoryReport(rank=rank, node=node, device=dev.STATE.physical[i], allocated=d.allocated,
+                                  reserved=d.reserved_total, peak=d.all_peak, total=d.capacity)
+            try:
+                client().request(report, timeout_s=timeout_s)
+            except Exception:
+                return False
+    return True
 
 
 def capacity() -> int:

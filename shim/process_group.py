@@ -19,6 +19,7 @@ import os
 import socket
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -52,9 +53,29 @@ _REDUCE = {
 }
 #: ``_reduction``'s answer for each plain reduction, made once (callers only unpack it)
 _KEYWORDS = {red: {"reduce_op": op} for red, op in _REDUCE.items()}
-#: global ranks of the group being created, set around ``_new_process_group_helper`` (the backend's
-#: constructor is not told them); what NCCL derives its globalRankStart / globalRankStride from
-creating_ranks: list[int] = []
+#: Longest group description sent to the daemon: it is only ever shown, and every rank's join repeats it.
+MAX_DESC_CHARS = 256
+
+
+@dataclass
+class GroupBirth:
+    """The group ``_new_process_group_helper`` is creating: what the backend's constructor is not told."""
+
+    ranks: list[int] = field(default_factory=list)  # global ranks: NCCL's globalRankStart / globalRankStride
+    name: str = ""  # torch's group_name ("0", "1", or a hash of the ranks)
+    desc: str = ""  # torch's group_desc ("default_pg", "mesh_tp", the user's, "undefined")
+
+    def begin(self, ranks: list[int], name: str, desc: str) -> None:
+        """A group of these global ranks, names and description is being created."""
+        self.ranks, self.name, self.desc = ranks, name, desc
+
+    def end(self) -> None:
+        """The group exists (or failed to): nothing is being created."""
+        self.begin([], "", "")
+
+
+#: set around ``_new_process_group_helper`` (``shim.c10d_patches``), cleared after it
+creating = GroupBirth()
 
 
 def _reduction(opts) -> dict:
@@ -171,7 +192,10 @@ class MirageProcessGroup(dist.ProcessGroup):
         if self._is_default:
             fault_injection.choose(rank)
         self._in_process = os.environ.get("MIRAGE_IN_PROCESS") == "1"
-        self._comm = Comm("", rank, size, None, timeout.total_seconds(), _start_stride(creating_ranks))
+        # torch sets the group's name and description once the backend exists; the daemon hears of the
+        # communicator now, so they are taken from the helper's arguments (``creating``)
+        self._comm = Comm("", rank, size, None, timeout.total_seconds(), _start_stride(creating.ranks),
+                          group_name=creating.name, group_desc=creating.desc)
         if self._in_process:
             if size > 1:
                 raise dist.DistBackendError(IN_PROCESS_MESSAGE)
@@ -198,6 +222,8 @@ class MirageProcessGroup(dist.ProcessGroup):
                 node=int(os.environ.get("MIRAGE_NODE_RANK", "0")),
                 host=host,
                 transport=path,
+                name=creating.name[:MAX_DESC_CHARS],
+                desc=creating.desc[:MAX_DESC_CHARS],
             )
         )
         if isinstance(reply, s.Error):

@@ -21,7 +21,6 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 from emulator.profiles import Profile
 
@@ -111,13 +110,67 @@ def tensor_bytes(t: torch.Tensor) -> int:
     return elements * t.element_size()
 
 
-def _unique_tensors(values) -> list[torch.Tensor]:
-    # The same tensor passed twice (x + x) is read once: the second read hits the cache.
-    seen: dict[int, torch.Tensor] = {}
+def _collect(values, seen: dict[int, torch.Tensor]) -> None:
+    # Depth first, left to right, as pytree flattens; aten ops nest tensors only in lists and tuples
+    # (cat's list, the _foreach_ ops' lists, multi-output tuples), so a plain walk finds them all at a
+    # fraction of tree_flatten's cost, which clocked mode would pay on every op.
     for v in values:
         if isinstance(v, torch.Tensor):
             seen.setdefault(id(v), v)
+        elif isinstance(v, (list, tuple)):
+            _collect(v, seen)
+
+
+def _unique_tensors(*values) -> list[torch.Tensor]:
+    """The tensors in ``values`` (nested in lists and tuples), each once, in order of first appearance."""
+    # The same tensor passed twice (x + x) is read once: the second read hits the cache.
+    seen: dict[int, torch.Tensor] = {}
+    _collect(values, seen)
     return list(seen.values())
+
+
+def _shapes(v):
+    """``v`` with every tensor replaced by its shape and every list by a tuple: all a FLOP formula reads."""
+    if isinstance(v, torch.Tensor):
+        return v.shape
+    if isinstance(v, (list, tuple)):
+        return tuple(_shapes(x) for x in v)
+    return v
+
+
+# FLOPs by op and arguments (tensors as their shapes). torch's formulas see shapes only (flop_counter's
+# wrapper maps each tensor to its shape first, with a tree_map that costs more than the rest of
+# op_cost), and a training step repeats its shapes, so each count is worked out once.
+_FLOPS: dict[tuple, int] = {}
+_FLOPS_MAX = 4096  # a program whose shapes keep changing starts the table afresh past this
+
+
+def _flops(formula, func, args, kwargs, out) -> int:
+    key = (id(func), _shapes(args), _shapes(tuple(kwargs.items())), _shapes(out))  # _ops keeps func alive
+    try:
+        flops = _FLOPS.get(key)
+    except TypeError:  # an argument that cannot be hashed: count afresh
+        return int(formula(*args, **kwargs, out_val=out))
+    if flops is None:
+        if len(_FLOPS) >= _FLOPS_MAX:
+            _FLOPS.clear()
+        flops = _FLOPS[key] = int(formula(*args, **kwargs, out_val=out))
+    return flops
+
+
+# What op_cost needs to know of each op, worked out once and found by id (OpOverload.__hash__ is a
+# Python method): the op itself (so its id stays its own), whether it launches no kernel, whether it
+# only writes ``self``, and its FLOP formula.
+_OPS: dict[int, tuple] = {}
+
+
+def _op(func) -> tuple:
+    facts = _OPS.get(id(func))
+    if facts is None:
+        packet = getattr(func, "overloadpacket", func)
+        free = getattr(func, "is_view", False) or packet in _NO_KERNEL
+        facts = _OPS[id(func)] = (func, free, packet in _WRITE_ONLY_SELF, flop_registry.get(packet))
+    return facts
 
 
 def op_cost(func, args, kwargs, out, profile: Profile) -> OpCost:
@@ -127,24 +180,23 @@ def op_cost(func, args, kwargs, out, profile: Profile) -> OpCost:
     emulated ones, only their metadata is read.
     """
     kwargs = kwargs or {}
-    packet = getattr(func, "overloadpacket", func)
-    if getattr(func, "is_view", False) or packet in _NO_KERNEL:
+    _, free, write_only_self, formula = _op(func)
+    if free:
         return OpCost(0.0, 0, 0, "free", False)
 
-    reads = [v for k, v in kwargs.items() if k != "out"]  # an out= tensor is written, not read
-    inputs = _unique_tensors(tree_flatten((args, reads))[0])
-    outputs = _unique_tensors(tree_flatten(out)[0])
-    if packet in _WRITE_ONLY_SELF and args:
+    reads = [v for k, v in kwargs.items() if k != "out"] if kwargs else ()  # an out= tensor is written, not read
+    inputs = _unique_tensors(args, reads)
+    outputs = _unique_tensors(out)
+    if write_only_self and args:
         inputs = [t for t in inputs if t is not args[0]]
     if not inputs and not outputs:
         return OpCost(0.0, 0, 0, "free", False)
     nbytes = sum(tensor_bytes(t) for t in inputs) + sum(tensor_bytes(t) for t in outputs)
     memory_s = nbytes / (profile.hbm_tbps * 1e12 * MEMORY_EFFICIENCY)
 
-    formula = flop_registry.get(packet)
     if formula is None:
         return OpCost(memory_s + KERNEL_LAUNCH_S, 0, nbytes, "bytes-only", False)
-    flops = int(formula(*args, **kwargs, out_val=out))
+    flops = _flops(formula, func, args, kwargs, out)
     # The math runs in the inputs' dtype (an fp8 GEMM writes bf16 but multiplies at the fp8 rate).
     tensors = inputs + outputs
     dtype = next((t.dtype for t in tensors if t.dtype.is_floating_point), tensors[0].dtype)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from emulator.hang import HangDetector
-from emulator.ledger import Ledger
-from emulator.schema import CollOp, Collective, CommInit
+from emulator.ledger import Ledger, Worlds
+from emulator.schema import CollOp, Collective, CommInit, WorldFormation
 from emulator.straggler import StragglerDetector
 
 
@@ -72,4 +72,26 @@ def test_a_rank_busy_in_a_running_collective_is_not_hung():
     det = HangDetector(timeout_s=1.0)
     assert det.scan(ledger, now=50.0, busy=frozenset({1})) == []  # rank 1 is inside a long collective elsewhere
     (h,) = det.scan(ledger, now=60.0)  # once it is not, and still missing, it is reported
+    assert h.missing == [1]
+
+
+def test_a_rank_stopped_in_its_debugger_is_not_hung_and_its_wait_counts_from_when_it_runs_again():
+    ledger = ledger_of(2)
+    post(ledger, 0, 1, at=0.0)
+    det = HangDetector(timeout_s=1.0)
+    det.debugger(1, stopped=True)
+    assert det.scan(ledger, now=100.0) == []  # --debug-rank: rank 1 sits at pdb's prompt
+    det.debugger(1, stopped=False, now=100.0)  # 'c'
+    assert det.scan(ledger, now=100.9) == []  # it gets the timeout to arrive, as if the wait began now
+    (h,) = det.scan(ledger, now=101.0)
+    assert h.missing == [1] and h.waited_s == 1.0
+
+
+def test_a_world_waiting_for_a_rank_in_its_debugger_is_not_hung():
+    worlds, det = Worlds(), HangDetector(timeout_s=1.0)
+    worlds.record(WorldFormation(world="env://h:1 #1", rank=0, size=2, pid=10), alive=lambda p: True)
+    det.debugger(1, stopped=True)  # stopped before its program ran: it never reached init_process_group
+    assert det.scan_worlds(worlds, alive=lambda p: True, now=1e9) == []
+    det.debugger(1, stopped=False, now=1e9)
+    (h,) = det.scan_worlds(worlds, alive=lambda p: True, now=1e9 + 1)
     assert h.missing == [1]

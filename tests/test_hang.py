@@ -22,7 +22,7 @@ def test_skipped_all_reduce_is_reported_with_rank_seq_and_line(tmp_path):
                    "--report", str(report_file), "--",
                    "torchrun", "--standalone", "--nproc_per_node=2", str(FIXTURES / "skip_allreduce.py"))
     assert r.returncode == 124, r.stderr
-    assert "HANG: collective #3 (ALLREDUCE, 8 x float32)" in r.stderr
+    assert "HANG: collective #3 (ALLREDUCE, 8 x float32) of communicator default_pg (2 ranks)" in r.stderr
     assert "missing ranks: {1}" in r.stderr
     assert "[1] finished collective #2, but didn't join collective #3" in r.stderr
     assert "skip_allreduce.py:17:<module>" in r.stderr  # where rank 0 waits
@@ -30,7 +30,7 @@ def test_skipped_all_reduce_is_reported_with_rank_seq_and_line(tmp_path):
 
     d = run_dir(tmp_path)
     (report,) = json.loads((d / "hang-report.json").read_text())
-    assert report["seq"] == 3 and report["op"] == "ALLREDUCE"
+    assert report["seq"] == 3 and report["op"] == "ALLREDUCE" and report["comm_label"] == "default_pg"
     assert [m["rank"] for m in report["missing"]] == [1]
     assert report["ranks"]["1"]["process"] in ("sleeping", "running")
     assert "skip_allreduce.py" in (d / "stacks.txt").read_text()
@@ -43,7 +43,8 @@ def test_skipped_all_reduce_is_reported_with_rank_seq_and_line(tmp_path):
     assert set(run_report["ranks"]) == {"0", "1"}
     (comm,) = run_report["communicators"].values()
     assert comm["ranks"]["0"]["last_enqueued"] == 3 and comm["ranks"]["1"]["last_completed"] == 2
-    assert run_report["hangs"][0]["missing"] == [1]
+    assert run_report["hangs"][0]["missing"] == [1] and run_report["hangs"][0]["comm_label"] == "default_pg"
+    assert (comm["desc"], comm["label"], comm["collectives"]) == ("default_pg", "default_pg", 2)
 
     evs = events(tmp_path)
     (hang,) = [e for e in evs if e["type"] == "hang"]
@@ -163,7 +164,8 @@ def test_subgroup_hang_names_the_subgroup_and_leaves_the_default_group_alone(tmp
     r = mirage_run(tmp_path, "--gpus-per-node", "4", "--hang-timeout", str(HANG_TIMEOUT_S), "--",
                    "torchrun", "--standalone", "--nproc_per_node=4", str(FIXTURES / "subgroup_hang.py"))
     assert r.returncode == 124, r.stderr
-    assert "(2 ranks) has waited" in r.stderr
+    # a new_group without a group_desc: torch's name for it ("1", the first after the default group's "0")
+    assert "of communicator group 1 (2 ranks) has waited" in r.stderr
     assert "joined ranks: {2}" in r.stderr and "missing ranks: {3}" in r.stderr
     assert "[3] never joined any collective of this communicator" in r.stderr
     hangs = [e for e in events(tmp_path) if e["type"] == "hang"]

@@ -55,6 +55,20 @@ def test_convolution_uses_torchs_formula():
     assert c.has_formula
 
 
+def test_flop_counts_are_kept_per_shapes_and_arguments():
+    """A count is worked out once per op, shapes and other arguments: a change in any of them counts afresh."""
+    roofline._FLOPS.clear()
+    assert mm_cost(64, 32, 16).flops == 2 * 64 * 32 * 16
+    assert mm_cost(64, 32, 16).flops == 2 * 64 * 32 * 16 and len(roofline._FLOPS) == 1
+    assert mm_cost(64, 32, 8).flops == 2 * 64 * 32 * 8
+    x, w = meta(1, 8, 16, 16), meta(8, 8, 3, 3)
+    for stride in (1, 2):
+        args = (x, w, None, [stride, stride], [1, 1], [1, 1], False, [0, 0], 1)
+        out = aten.convolution.default(*args)
+        assert op_cost(aten.convolution.default, args, {}, out, MI300X).flops == 2 * out.numel() * 8 * 3 * 3
+    assert len(roofline._FLOPS) == 4
+
+
 def test_elementwise_costs_its_bytes_and_doubles_with_them():
     def add(n):
         x, y = meta(n), meta(n)

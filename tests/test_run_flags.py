@@ -1,4 +1,5 @@
-"""``mirage run --nproc-per-node``, ``--workdir`` and ``--clear-env-vars``: the real CLI, daemon and ranks.
+"""``mirage run --nproc-per-node``, ``--workdir``, ``--clear-env-vars`` and ``--debug-rank``: the real CLI,
+daemon and ranks.
 
 mirage starts the ranks itself with ``--nproc-per-node`` (torchrun's worker
 environment, output per rank, every process reaped); ``--workdir`` and
@@ -9,8 +10,12 @@ are one line and exit 2, as every usage error.
 from __future__ import annotations
 
 import os
+import queue
+import re
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -175,6 +180,14 @@ BAD = [
     (["--workdir", ""], "--workdir must name a directory, got ''"),
     (["--in-process", "--nproc-per-node", "2"], "--in-process runs without the daemon"),
     (["--clear-env-vars=yes"], "argument --clear-env-vars: ignored explicit argument 'yes'"),
+    (["--debug-rank", "one"], "argument --debug-rank: invalid int value: 'one'"),
+    (["--gpus-per-node", "2", "--debug-rank", "2"],
+     "--debug-rank must be a rank of the run, 0 to 1 (1 node(s) x 2 GPU(s)), got 2"),
+    (["--debug-rank", "-1"], "--debug-rank must be a rank of the run, 0 to 0 (1 node(s) x 1 GPU(s)), got -1"),
+    (["--num-nodes", "2", "--nproc-per-node", "3", "--debug-rank", "6"],
+     "--debug-rank must be a rank of the run, 0 to 5 (2 node(s) x --nproc-per-node 3), got 6"),
+    (["--in-process", "--gpus-per-node", "2", "--debug-rank", "1"],
+     "--debug-rank must be a rank of the run, 0 to 0 (--in-process runs one process), got 1"),
 ]
 
 
@@ -209,8 +222,8 @@ def test_nproc_per_node_refuses_a_torchrun_command(tmp_path):
 
 
 def test_the_console_runs_what_the_flags_asked(tmp_path, monkeypatch):
-    """The Setup form keeps --nproc-per-node, --workdir and --clear-env-vars (it has no fields of its own for
-    them) and the run it starts honours them."""
+    """The Setup form shows --nproc-per-node, --workdir and --clear-env-vars in its fields and the run it starts
+    honours them."""
     pytest.importorskip("textual")
     import asyncio
 
@@ -247,3 +260,93 @@ def test_the_console_runs_what_the_flags_asked(tmp_path, monkeypatch):
     for rank in (0, 1):
         log = (d / f"rank-{rank}.log").read_text()
         assert f"cwd {FIXTURES}" in log and "probe -" in log and f"RANK={rank} LOCAL_RANK={rank}" in log
+
+
+DEBUG_RANK = str(FIXTURES / "debug_rank.py")
+_WAITS = re.compile(r"^\[1\] mirage: rank 1 \(pid \d+\) waits for a debugger: "
+                    r"python -m mirage_tui\.debug_client (127\.0\.0\.1:\d+)$")
+PROMPT = b"(Pdb rank 1) "
+
+
+def _pdb(address: str, commands: list[str], pause_s: float) -> str:
+    """Attach to the rank's pdb at ``address`` as a client, sit at its first prompt ``pause_s`` seconds, then send
+    ``commands`` one prompt at a time; everything pdb printed until it hung up."""
+    host, port = address.split(":")
+    out = b""
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        for i, command in enumerate(commands):
+            while not out.endswith(PROMPT):
+                data = sock.recv(1 << 16)
+                assert data, f"pdb hung up before {command!r}: {out!r}"
+                out += data
+            if i == 0:
+                time.sleep(pause_s)
+            sock.sendall(command.encode() + b"\n")
+            out += b"\n"  # (so that the next prompt is a new one)
+        while data := sock.recv(1 << 16):
+            out += data
+    return out.decode()
+
+
+def test_debug_rank_waits_in_pdb_and_is_not_reported_as_a_hang(tmp_path):
+    """Rank 1 stops before its program and at its breakpoint(); a client drives its pdb; sitting there longer
+    than --hang-timeout (waiting for a client, then at the prompt) while rank 0 waits is no hang."""
+    env = dict(os.environ, PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
+    env.pop("MIRAGE_DEBUGGER", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mirage_tui", "run", "--log-dir", str(tmp_path), "--gpus-per-node", "2",
+         "--nproc-per-node", "2", "--hang-timeout", "4", "--debug-rank", "1", "--env", "BREAK_AGAIN=1", "--",
+         sys.executable, DEBUG_RANK],
+        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    err: list[str] = []
+
+    def read_stderr() -> None:
+        for line in proc.stderr:
+            err.append(line)
+            lines.put(line.rstrip("\n"))
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
+
+    def next_wait() -> str:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                m = _WAITS.match(lines.get(timeout=1))
+            except queue.Empty:
+                continue
+            if m:
+                return m.group(1)
+        pytest.fail(f"rank 1 never said it waits for a debugger: {''.join(err)}")
+
+    try:
+        address = next_wait()
+        # before the program's first line; the stdlib client as a person would use it (three 'n': RANK is set)
+        first = subprocess.run([sys.executable, "-m", "mirage_tui.debug_client", address],
+                               input="n\nn\nn\np RANK\nc\n", capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+        assert first.returncode == 0, first.stderr
+        assert "debug_rank.py(1)<module>()" in first.stdout and "\n(Pdb rank 1) 1\n" in first.stdout
+        # at breakpoint(), rank 0 already waiting in the next all_reduce: 5 s without a client, 5 s at the prompt
+        assert next_wait() == address  # the same port, every stop
+        time.sleep(5)
+        second = _pdb(address, ["p RANK, t.tolist()", "c"], pause_s=5)
+        assert "debug_rank.py(14)<module>()" in second and "(1, [3.0, 3.0, 3.0, 3.0])" in second
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.communicate(timeout=30)
+    reader.join(10)
+    stderr = "".join(err)
+    assert proc.returncode == 0, stderr
+    assert "[0] [rank 0] debug_rank_ok 24" in out and "[1] [rank 1] debug_rank_ok 24" in out
+    assert "HANG" not in stderr
+    assert (f"mirage: DEBUG: rank 1 is stopped and waits for a debugger (pdb): python -m mirage_tui.debug_client "
+            f"{address}") in stderr
+    evs = events(tmp_path)
+    assert not [e for e in evs if e["type"] == "hang"]
+    phases = [e["phase"] for e in evs if e["type"] == "rank_debugging"]
+    assert phases.count("waiting") == 2 and phases[1] == "paused" and phases[-1] == "running", phases
+    assert {(e["rank"], e["address"]) for e in evs if e["type"] == "rank_debugging"} == {(1, address)}

@@ -171,11 +171,14 @@ def test_attach_from_a_second_console_under_tmux_then_detach(tmp_path):
     env = _env(tmp_path)
     try:
         entry = _training(tmp_path)
-        command = (f"XDG_RUNTIME_DIR={env['XDG_RUNTIME_DIR']} {BIN / 'mirage-tui'} --attach; "
+        # the pause lets tmux give the window its size before the console reads it (under load a
+        # console started at once was seen drawing for 80x24 in a 140x45 pane)
+        command = (f"sleep 1; XDG_RUNTIME_DIR={env['XDG_RUNTIME_DIR']} {BIN / 'mirage-tui'} --attach; "
                    f"echo ATTACH-EXIT=$?; sleep 60")
         # a tmux server of its own (-L): its windows get this test's environment, not an older server's
         subprocess.run(["tmux", "-L", name, "new-session", "-d", "-s", name, "-x", "140", "-y", "45", command],
                        check=True, cwd=REPO_ROOT, env=env)
+        subprocess.run(["tmux", "-L", name, "resize-window", "-t", name, "-x", "140", "-y", "45"], capture_output=True)
 
         def screen() -> str:
             return subprocess.run(["tmux", "-L", name, "capture-pane", "-p", "-t", name], capture_output=True,

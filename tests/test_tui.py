@@ -604,6 +604,26 @@ def test_setup_validates_with_the_cli_rules_and_loads_toml(tmp_path):
         form.query_one("#nodes", Input).value = "1"
         await pilot.pause(0.1)
         assert not start.disabled, str(error.content)
+        # the run flags: blank is the flag not given; a value is checked as the command line checks it
+        form.query_one("#debug-rank", Input).value = "4"
+        await pilot.pause(0.1)
+        assert "--debug-rank must be a rank of the run, 0 to 3 (1 node(s) x 4 GPU(s)), got 4" in str(error.content)
+        form.query_one("#debug-rank", Input).value = "3"
+        form.query_one("#workdir", Input).value = str(FIXTURES)
+        form.query_one("#clear-env", Switch).value = True
+        await pilot.pause(0.1)
+        assert form.topology is not None, str(error.content)
+        assert (form.topology.debug_rank, form.topology.workdir, form.topology.clear_env) == (3, str(FIXTURES), True)
+        form.query_one("#nproc", Input).value = "2"
+        await pilot.pause(0.1)  # the ranks mirage would start are then the ones to count
+        assert "--debug-rank must be a rank of the run, 0 to 1 (1 node(s) x --nproc-per-node 2)" in str(error.content)
+        form.query_one("#debug-rank", Input).value = ""
+        await pilot.pause(0.1)
+        assert "--nproc-per-node makes mirage start the ranks itself" in str(error.content)  # torchrun's command
+        form.query_one("#nproc", Input).value = ""
+        form.query_one("#workdir", Input).value = ""
+        await pilot.pause(0.1)
+        assert form.topology is not None and (form.topology.nproc_per_node, form.topology.debug_rank) == (None, None)
         # file completion in the command field: the right arrow takes the suggestion
         command.focus()
         command.value = f"python {FIXTURES}/ddp_m"
@@ -654,6 +674,19 @@ def test_topology_file_round_trip_and_errors(tmp_path):
     path.write_text("exec_mode = 'timed'\n")
     with pytest.raises(UsageError, match="exec_mode must be one of functional, clocked"):
         topology_file.load(str(path))
+    # the run flags of the Setup form's last rows; a flag not given has no line and keeps the base's value
+    flags = dataclasses.replace(clocked, nproc_per_node=3, workdir="sub dir/\"x\"", clear_env=True, debug_rank=5)
+    topology_file.save(flags, str(path))
+    assert topology_file.load(str(path)) == flags
+    topology_file.save(t, str(path))
+    assert "nproc_per_node" not in path.read_text() and "debug_rank" not in path.read_text()
+    assert topology_file.load(str(path), base=flags) == dataclasses.replace(t, nproc_per_node=3, workdir=flags.workdir,
+                                                                              debug_rank=5)
+    for bad, why in (("debug_rank = 'one'", "debug_rank must be a int"), ("clear_env = 1", "clear_env must be a bool"),
+                     ("workdir = 3", "workdir must be a str"), ("nproc_per_node = true", "nproc_per_node must be a int")):
+        path.write_text(bad + "\n")
+        with pytest.raises(UsageError, match=why):
+            topology_file.load(str(path))
 
 
 def test_replay_of_a_directory_without_events_is_a_usage_error(tmp_path, capsys):

@@ -79,3 +79,73 @@ def test_report_of_a_recorded_hang():
     assert text.startswith("run FAILED: exit 124") and "missing ranks {1}" in text
     assert "  rank 0  node 0  pid " in text and "log RUN/rank-1.log" in text
     assert {state.rank_state(r) for r in state.registered} == {"exited"}
+
+
+def _named() -> RunState:
+    """Four ranks: the default group, and two mesh_tp groups that share torch's name."""
+    state = RunState()
+    groups = (("d" * 32, "0", "default_pg", [0, 1, 2, 3]), ("a" * 32, "1", "mesh_tp", [0, 1]),
+              ("b" * 32, "2", "mesh_tp", [2, 3]), ("e" * 32, "3", "undefined", [1, 3]))
+    for comm, name, desc, ranks in groups:
+        for r, g in enumerate(ranks):
+            state.apply(s.CommJoined(t=1.0, comm=comm, rank=r, size=len(ranks), global_rank=g, name=name, desc=desc))
+    return state
+
+
+def test_communicators_are_named_as_torch_names_them():
+    state = _named()
+    assert [state.comm_label(c) for c in state.comms] == [
+        "default_pg", "mesh_tp (aaaaaaaa)", "mesh_tp (bbbbbbbb)", "group 3"]
+    assert state.comms["d" * 32].title == "default_pg (dddddddd)"
+    # an unknown communicator, or one a journal recorded before names were carried: its id's first characters
+    assert state.comm_label("f" * 32) == "ffffffff"
+    state.apply(s.CommJoined(t=2.0, comm="0123456789abcdef", rank=0, size=1, global_rank=0))
+    assert state.comm_label("0123456789abcdef") == "01234567" == state.comms["0123456789abcdef"].title
+    # alerts and findings say it the same way
+    state.apply(s.HangDetected(t=3.0, comm="a" * 32, seq=2, joined=[0], missing=[1]))
+    state.apply(s.StragglerWarning(t=3.0, comm="d" * 32, rank=2, count=5, mean_margin_s=0.3))
+    state.apply(s.CommFailed(t=4.0, comm="e" * 32, code="ncclInvalidUsage", message="Detected mismatch"))
+    assert [f.text.split(":")[0] for f in state.findings] == [
+        "collective #2 (allreduce) of mesh_tp (aaaaaaaa)", "rank 2 arrived last at 5 collectives in a row of "
+        "default_pg, 0.30 s behind on average", "communicator group 3"]
+    assert "communicator mesh_tp (bbbbbbbb): 2 ranks, shm" in state.ledger_table()
+    doc = state.to_json()["a" * 32]
+    assert (doc["name"], doc["desc"], doc["label"]) == ("1", "mesh_tp", "mesh_tp (aaaaaaaa)")
+
+
+def test_per_communicator_figures_and_peak_memory():
+    state = _named()
+    comm = "d" * 32
+    # three collectives: rank 2 posts last at the first two (0.5 s and 0.2 s after the first rank), rank 0 at
+    # the third; a point-to-point message counts as carried but neither as waiting nor as arriving last
+    posts = {1: (0.0, 0.1, 0.5, 0.3), 2: (0.0, 0.0, 0.2, 0.1), 3: (0.4, 0.0, 0.1, 0.0)}
+    for seq, offsets in posts.items():
+        base = 10.0 * seq
+        for r, dt in enumerate(offsets):
+            state.apply(s.CollectiveEnqueued(t=base + dt, comm=comm, seq=seq, rank=r, numel=16))
+        start = base + max(offsets)
+        state.apply(s.CollectiveStarted(t=start, comm=comm, seq=seq, total_bytes=64))
+        state.apply(s.CollectiveCompleted(t=start + 0.01, comm=comm, seq=seq, total_bytes=64))
+    state.apply(s.CollectiveEnqueued(t=40.0, comm=comm, seq=1, rank=0, op=s.CollOp.SEND, numel=4))
+    state.apply(s.CollectiveStarted(t=41.0, comm=comm, seq=1, op=s.CollOp.SEND, total_bytes=16))
+    state.apply(s.CollectiveCompleted(t=41.0, comm=comm, seq=1, op=s.CollOp.SEND, total_bytes=16))
+    c = state.comms[comm]
+    assert (c.collectives, c.bytes_done) == (4, 3 * 64 + 16)
+    waits = sum(max(offsets) - dt for offsets in posts.values() for dt in offsets)  # every rank's, to the start
+    assert abs(c.wait_s - waits) < 1e-9 and abs(waits - 2.7) < 1e-9 and not c.arriving
+    assert c.slowest_rank == 2 and c.last_arrivals == {2: 2, 0: 1}
+    doc = state.to_json()[comm]
+    assert (doc["collectives"], doc["bytes"], doc["slowest_rank"], doc["last_arrivals"]) == (
+        4, 208, 2, {"0": 1, "2": 2})
+    # peak GPU memory per rank: the largest peak (or allocation, after a reset of the peak) any GPU reported
+    state.apply(s.MemoryUsage(t=50.0, rank=1, device=1, allocated=100, peak=300, total=1 << 30))
+    state.apply(s.MemoryUsage(t=51.0, rank=1, device=1, allocated=50, peak=50, total=1 << 30))
+    state.apply(s.MemoryUsage(t=52.0, rank=1, device=2, allocated=400, peak=200, total=1 << 30))
+    assert state.ranks[1].peak_memory == 400 and state.ranks[0].peak_memory == 0
+    state.apply(s.RankRegistered(t=0.5, rank=1, node=0, pid=11))
+    state.apply(s.SessionEnded(t=60.0, returncode=0, summary="ok"))
+    text = report.render(state, Outcome(0, "ok", "RUN"), "RUN")
+    lines = [" ".join(line.split()) for line in text.splitlines()]  # the columns' padding aside
+    assert "rank 1 node 0 pid 11 ran (no end) peak 400 B log RUN/rank-1.log" in lines
+    assert ("default_pg (dddddddd) 4 ranks 4 collectives 208 B waited 2.7 s slowest rank 2 (last at 2 of 3)"
+            in lines)

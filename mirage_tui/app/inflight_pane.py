@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from rich.text import Text
 from textual.widgets import Static
 
@@ -14,9 +16,10 @@ class InFlightPane(Static):
     def __init__(self, **kwargs) -> None:
         super().__init__("no collective yet", markup=False, **kwargs)
 
-    def redraw(self, traffic: Traffic, now: float) -> None:
-        """Draw ``traffic`` with ages as of ``now`` (the run's clock: a replay's is its events')."""
-        lines = traffic.lines(now)
+    def redraw(self, traffic: Traffic, now: float, name: Callable[[str], str] | None = None) -> None:
+        """Draw ``traffic`` with ages as of ``now`` (the run's clock: a replay's is its events'), communicators
+        as ``name`` names them."""
+        lines = traffic.lines(now, name)
         head = Text(traffic.throughput(), style="bold")
         if not lines:
             self.update(Text.assemble(head, "\nno collective in flight"))

@@ -26,7 +26,8 @@ def row_rank(key: str) -> int:
 
 
 class LedgerGrid(DataTable):
-    """One row per communicator and rank: last enqueued, started, completed, op, size, dtype, age."""
+    """One row per communicator (as torch names it) and rank: last enqueued, started, completed, op, size,
+    dtype, age."""
 
     def __init__(self, **kwargs) -> None:
         super().__init__(cursor_type="row", zebra_stripes=True, **kwargs)
@@ -47,7 +48,7 @@ class LedgerGrid(DataTable):
                 key = f"{comm.comm}:{rank}"
                 # age: since the rank last enqueued on this communicator (a waiting rank's grows as it waits)
                 age = f"{max(0.0, now - p.enqueued_at):.0f} s" if p.enqueued_at else ""
-                row = (comm.comm[:8], rank, p.last_enqueued, p.last_started, p.last_completed, p.op,
+                row = (state.comm_label(comm.comm), rank, p.last_enqueued, p.last_started, p.last_completed, p.op,
                        _size(p.numel, p.dtype) if p.op else "", p.dtype, age)
                 old = self._rows.get(key)
                 if old == row:

@@ -138,7 +138,7 @@ class RunScreen(Screen):
             self.query_one(LedgerGrid).redraw(self.state, self.clock())
             # idle seconds bring the throughput down to zero; a replay's come with its next event
             self.state.traffic.advance(self.clock())
-            self.query_one(InFlightPane).redraw(self.state.traffic, self.clock())
+            self.query_one(InFlightPane).redraw(self.state.traffic, self.clock(), self.state.comm_label)
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         """Replay keys only while replaying, stacks and stop only while live, the report once there is one."""
@@ -184,11 +184,14 @@ class RunScreen(Screen):
                 self._alert(self._hang_alert(e))
                 self.refresh_bindings()
             elif isinstance(e, s.CommFailed):
-                self._alert(Text(f"communicator {e.comm[:8]} failed: {e.code}: {e.message}",
+                self._alert(Text(f"communicator {self.state.comm_label(e.comm)} failed: {e.code}: {e.message}",
                                  style=self.app.current_theme.error or ""))
+            elif isinstance(e, s.RankDebugging) and e.phase is s.DebugPhase.WAITING:
+                self._alert(Text(f"rank {e.rank} is stopped and waits for a debugger ({e.debugger}); connect "
+                                 f"with:\n  {e.connect}", style=f"bold {self.app.current_theme.accent or ''}"))
             elif isinstance(e, s.StragglerWarning):
                 self._alert(f"rank {e.rank} arrived last at {e.count} collectives in a row of communicator "
-                            f"{e.comm[:8]}, {e.mean_margin_s:.2f} s behind on average (a straggler)")
+                            f"{self.state.comm_label(e.comm)}, {e.mean_margin_s:.2f} s behind on average (a straggler)")
         if changed & Changed.RANKS:
             tree = self.query_one(RankTree)
             if tree.sync(self.state) and not self._user_selected:
@@ -200,7 +203,7 @@ class RunScreen(Screen):
         if changed & Changed.MEMORY:
             self.query_one(GpuMemory).redraw(self.state)
         if changed & Changed.TRAFFIC:
-            self.query_one(InFlightPane).redraw(self.state.traffic, self.clock())
+            self.query_one(InFlightPane).redraw(self.state.traffic, self.clock(), self.state.comm_label)
         if changed & Changed.CLOCK:
             self._redraw_timeline()
 

@@ -69,6 +69,11 @@ def _hbm_text(hbm_bytes: int | None) -> str:
     return str(hbm_bytes)
 
 
+def _optional(value: int | None) -> str:
+    """An optional number as its field shows it: blank when the flag is not given."""
+    return "" if value is None else str(value)
+
+
 def _generated(t: Topology) -> tuple[str, ...] | None:
     """``t``'s command when it has its launch form's own shape (so it may follow the topology), else None."""
     built = launch_forms.build(launch_forms.launch_form(t.command), t.command, t.num_nodes, t.gpus_per_node)
@@ -117,6 +122,8 @@ class SetupScreen(Screen):
                 yield Input(str(t.num_nodes), type="integer", id="nodes")
                 yield Label("GPUs per node", classes="field")
                 yield Input(str(t.gpus_per_node), type="integer", id="gpus")
+                yield Label("nproc per node", classes="field")
+                yield Input(_optional(t.nproc_per_node), type="integer", placeholder="launcher's", id="nproc")
             with Horizontal(classes="row"):
                 yield Label("launch", classes="field")
                 yield Select(_LAUNCH_FORMS, value=launch_forms.launch_form(t.command), allow_blank=False,
@@ -125,6 +132,12 @@ class SetupScreen(Screen):
                 yield Label("command", classes="field")
                 yield Input(shlex.join(t.command), placeholder="python train.py (→ completes a file name)",
                             suggester=PathSuggester(), id="command")
+            with Horizontal(classes="row"):
+                yield Label("workdir", classes="field")
+                yield Input(t.workdir or "", placeholder="the current folder", suggester=PathSuggester(),
+                            id="workdir")
+                yield Label("clear env", classes="field")
+                yield Switch(value=t.clear_env, id="clear-env")
             with Horizontal(classes="row env-row"):
                 yield Label("env\nKEY=VALUE\none a line", classes="field")
                 yield TextArea("\n".join(f"{k}={v}" for k, v in t.env), id="env")
@@ -135,6 +148,8 @@ class SetupScreen(Screen):
             with Horizontal(classes="row"):
                 yield Label("hang timeout (s)", classes="field")
                 yield Input(f"{t.hang_timeout_s:g}", type="number", id="hang")
+                yield Label("debug rank", classes="field")
+                yield Input(_optional(t.debug_rank), type="integer", placeholder="none", id="debug-rank")
                 yield Label("in-process", classes="field")
                 yield Switch(value=t.in_process, id="in-process")
             with Horizontal(classes="row"):
@@ -168,6 +183,9 @@ class SetupScreen(Screen):
                 what = "a whole number" if kind is int else "a number"
                 raise UsageError(f"{flag} must be {what}, got {text!r}") from None
 
+        def optional(widget_id: str, flag: str) -> int | None:  # blank: the flag not given
+            return int(number(widget_id, flag, int)) if self.query_one(f"#{widget_id}", Input).value.strip() else None
+
         try:
             command = tuple(shlex.split(self.query_one("#command", Input).value))
         except ValueError as e:
@@ -185,6 +203,10 @@ class SetupScreen(Screen):
             exec_mode=ExecMode(str(self.query_one("#exec-mode", Select).value)),
             hbm_bytes=parse_size(hbm) if hbm else None,
             command=command,
+            nproc_per_node=optional("nproc", "--nproc-per-node"),
+            workdir=self.query_one("#workdir", Input).value.strip() or None,
+            clear_env=self.query_one("#clear-env", Switch).value,
+            debug_rank=optional("debug-rank", "--debug-rank"),
         )
         validate(topology)
         check_combination(topology)
@@ -288,6 +310,10 @@ class SetupScreen(Screen):
         profile.value = t.profile
         self.query_one("#nodes", Input).value = str(t.num_nodes)
         self.query_one("#gpus", Input).value = str(t.gpus_per_node)
+        self.query_one("#nproc", Input).value = _optional(t.nproc_per_node)
+        self.query_one("#workdir", Input).value = t.workdir or ""
+        self.query_one("#clear-env", Switch).value = t.clear_env
+        self.query_one("#debug-rank", Input).value = _optional(t.debug_rank)
         self.query_one("#launch", Select).value = launch_forms.launch_form(t.command)
         self._written = _generated(t)
         self.query_one("#command", Input).value = shlex.join(t.command)

@@ -118,7 +118,7 @@ def draw(state: RunState, width: int, colours: dict[str, str], steps: int = STEP
     for i, comm in enumerate(timeline.comms):
         what = "/".join(sorted(ops.get(comm, ()))) or "collective"
         legend.append(COMM_GLYPHS[i % len(COMM_GLYPHS)], style=comm_style[i % len(comm_style)])
-        legend.append(f" {what} on {comm[:8]} ({', '.join(sorted(algos.get(comm, ())))})  ")
+        legend.append(f" {what} on {state.comm_label(comm)} ({', '.join(sorted(algos.get(comm, ())))})  ")
     lines.append(legend)
     return Text("\n").join(lines)
 

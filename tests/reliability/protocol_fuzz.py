@@ -96,7 +96,8 @@ class Fuzzer:
         elif cls is s.CommInit:
             body.update(comm=g.choice(self.comms), rank=g.choice([0, 1, 2, 3, -1, 2**40]),
                         size=g.choice([1, 2, 3, 4, 0, -1, 2**40, 2**62]), global_rank=self._int(), node=self._int(),
-                        host=g.choice(["h0", "h1", ""]), transport=g.choice(["shm", "socket", "p2p", self._str()]))
+                        host=g.choice(["h0", "h1", ""]), transport=g.choice(["shm", "socket", "p2p", self._str()]),
+                        name=g.choice(["0", "", self._str()]), desc=g.choice(["default_pg", "mesh_tp", self._str()]))
         elif cls is s.Collective:
             op = g.choice(list(s.CollOp))
             numel = g.choice([0, 1, 4, 16, 256, -1, 2**50, g.randrange(0, 1024)])
