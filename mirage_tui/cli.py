@@ -466,6 +466,13 @@ def _attach(ns: argparse.Namespace, command: tuple[str, ...] | None, theme: str)
     for flag in ("replay", "speed"):
         if getattr(ns, flag) is not None:
             raise UsageError(f"--{flag} is for recorded runs; drop it or drop --attach")
+    running = sessions.live()
+    if not ns.attach and len(running) > 1 and ns.serve is None:  # several, none named: the console offers them
+        from mirage_tui.app.app import MirageApp
+
+        app = MirageApp(pick=running, theme=theme)
+        app.run()
+        return 1 if app.return_code is None else app.return_code
     entry = sessions.find(ns.attach or None)
     if os.stat(entry.run_dir).st_uid != os.getuid() or not os.access(entry.run_dir, os.R_OK | os.X_OK):
         raise UsageError(f"session {entry.session} is another user's: only its owner may attach")

@@ -298,3 +298,43 @@ def test_attach_served_to_a_real_browser_needs_the_token(tmp_path):
                 os.killpg(server.pid, signal.SIGKILL)
                 server.wait()
         _reap(proc)
+
+
+def test_attach_without_a_name_offers_a_picker_when_several_are_live(tmp_path, monkeypatch):
+    pytest.importorskip("textual")
+    import asyncio
+
+    from textual.widgets import OptionList
+
+    from mirage_tui import sessions
+    from mirage_tui.app.app import MirageApp
+    from mirage_tui.app.feeds import AttachFeed
+    from mirage_tui.app.session_picker import SessionPicker
+
+    first = _start_long_run(tmp_path)
+    second = _start_long_run(tmp_path)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", _env(tmp_path)["XDG_RUNTIME_DIR"])
+    try:
+        _until("two live sessions", lambda: len(sessions.live()) == 2)
+        live = sessions.live()
+        app = MirageApp(pick=live)
+
+        async def body() -> None:
+            async with app.run_test(size=(140, 45)) as pilot:
+                await pilot.pause(0.2)
+                assert isinstance(app.screen, SessionPicker)
+                options = app.screen.query_one(OptionList)
+                assert options.option_count == 2
+                newest = max(live, key=lambda e: e.started)
+                assert options.get_option_at_index(0).id == newest.session  # newest first
+                await pilot.press("down", "enter")
+                await pilot.pause(0.3)
+                assert isinstance(app.run_screen.feed, AttachFeed)
+                assert app.run_screen.feed.entry.session == min(live, key=lambda e: e.started).session
+                await pilot.press("q")  # detaches
+
+        asyncio.run(body())
+        assert app.return_code == 0 and first.poll() is None and second.poll() is None
+    finally:
+        _reap(first)
+        _reap(second)

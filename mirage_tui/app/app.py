@@ -21,6 +21,7 @@ from mirage_tui.app.feeds import STOPPED_EXIT, AttachFeed, LiveFeed, ReplayFeed
 from mirage_tui.app.help_screen import HelpScreen
 from mirage_tui.app.report import ReportScreen
 from mirage_tui.app.run_screen import RunScreen
+from mirage_tui.app.session_picker import SessionPicker
 from mirage_tui.app.setup import SetupScreen
 from mirage_tui.app.themes import DEFAULT_THEME, register_themes
 from mirage_tui.replay import Recording
@@ -49,22 +50,25 @@ class MirageApp(App[int]):
         demo: Topology | None = None,
         recording: Recording | None = None,
         attach: SessionEntry | None = None,
+        pick: list[SessionEntry] | None = None,
         speed: float = 1.0,
         theme: str = DEFAULT_THEME,
         last_path: str = topology_file.LAST_PATH,
     ) -> None:
         """Run ``topology`` at once; or, with ``setup``, show it in the form first (``demo`` is the
         form's Demo button); or play ``recording`` at ``speed`` (0: as fast as possible); or follow the
-        live session ``attach`` that another process owns (quitting detaches).
+        live session ``attach`` that another process owns (quitting detaches), or the one picked among
+        ``pick``.
         ``last_path`` is where a started topology is saved for the next Setup form."""
         super().__init__()
-        if recording is None and topology is None and attach is None:
+        if recording is None and topology is None and attach is None and not pick:
             raise ValueError("MirageApp needs a topology, a recording or a session to attach to")
         self.topology = topology
         self.setup = setup
         self.demo = demo or topology
         self.recording = recording
         self.attach = attach
+        self.pick = pick
         self.speed = speed
         self.initial_theme = theme
         self.last_path = last_path
@@ -93,15 +97,23 @@ class MirageApp(App[int]):
             rec = self.recording
             self._show_run(RunScreen(ReplayFeed(rec, self.speed), f"replay of {rec.run_dir}"))
         elif self.attach is not None:
-            e = self.attach
-            title = f"attached to session {e.session} (pid {e.pid}; q detaches): {' '.join(e.command)}"
-            self._show_run(RunScreen(AttachFeed(e), title, e.num_nodes))
+            self._attach_to(self.attach)
+        elif self.pick:
+            self.push_screen(SessionPicker(self.pick), self._attach_to)
         elif self.setup:
             assert self.topology is not None and self.demo is not None
             self.push_screen(SetupScreen(self.topology, self.demo, self.last_path))
         else:
             assert self.topology is not None
             self.launch(self.topology)
+
+    def _attach_to(self, entry: SessionEntry | None) -> None:
+        """Follow ``entry`` on the Run screen (None: the picker was left without a choice)."""
+        if entry is None:
+            return
+        self.attach = entry
+        title = f"attached to session {entry.session} (pid {entry.pid}; q detaches): {' '.join(entry.command)}"
+        self._show_run(RunScreen(AttachFeed(entry), title, entry.num_nodes))
 
     def _show_run(self, screen: RunScreen) -> None:
         self.run_screen = screen

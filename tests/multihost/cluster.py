@@ -49,8 +49,10 @@ TOOLS = ("ip", "unshare", "nsenter", "mount")
 #: Every namespace a cluster makes is named ``mh-<6 hex digits>-<head|hN>``.
 NS_PREFIX = "mh-"
 _NS_RE = re.compile(r"^mh-([0-9a-f]{6})-(head|h\d+)$")
-#: Each cluster's temp dir is ``<tmp>/mh-<id>``; short, for the munge socket's path.
-_TMP_ROOT = Path(tempfile.gettempdir())
+#: Each cluster's temp dir is ``<root>/mh-<id>``; short, for the munge socket's path. As root, under
+#: /run: munged refuses a seed or socket folder whose parents anyone may write without the sticky bit,
+#: and a machine's /tmp is not always 1777.
+_TMP_ROOT = Path("/run/mirage-multihost") if os.geteuid() == 0 and os.path.isdir("/run") else Path(tempfile.gettempdir())
 
 
 # ---------------------------------------------------------------- availability
@@ -95,6 +97,7 @@ def ensure_installed(*, quiet: bool = True) -> str | None:
         return None
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
         return f"multihost: missing {', '.join(missing_binaries())}; install slurm-wlm and munge (needs root + apt)"
+    _TMP_ROOT.mkdir(mode=0o755, exist_ok=True)
     with open(_TMP_ROOT / "mirage-multihost-install.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if [b for b in (*SLURM_BINARIES, *MUNGE_BINARIES) if shutil.which(b) is None]:
@@ -296,6 +299,7 @@ class Cluster:
         atexit.register(self.stop)
         t0 = time.monotonic()
         try:
+            _TMP_ROOT.mkdir(mode=0o755, exist_ok=True)
             self.dir.mkdir(mode=0o755)
             self.dir.chmod(0o755)  # munged wants every directory on its socket's path searchable by all
             (self.dir / "owner").write_text(f"{os.getpid()}\n")

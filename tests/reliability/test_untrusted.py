@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,8 @@ def traversable(tmp_path):
     """Let other users traverse (not list) the folders above the run directory, so only its own 0700 stops them."""
     # every folder of ours on the way up (pytest's basetemp may be nested under a private folder)
     chain = [p for p in [tmp_path, *tmp_path.parents] if p != p.parent and p.stat().st_uid == os.getuid()]
-    modes = [p.stat().st_mode & 0o777 for p in chain]
+    # every mode bit, the sticky one included: as root the chain reaches /tmp, which must stay 1777
+    modes = [stat.S_IMODE(p.stat().st_mode) for p in chain]
     for p, m in zip(chain, modes):
         p.chmod(m | 0o111)
     try:
