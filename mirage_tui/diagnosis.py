@@ -94,7 +94,16 @@ def dump_stacks(rank_pids: dict[int, int], ranks_dir: str, session: str, wait_s:
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline and any(size(r) == b for r, b in before.items()):
         time.sleep(0.02)
-    time.sleep(0.02)  # let a dump that just started finish its last lines
+    # a dump is written thread by thread, and under load a rank's can take longer than a moment:
+    # read once no file has grown for 60 ms (a loaded suite once read only the first thread)
+    sizes = {r: size(r) for r in before}
+    settle = time.monotonic() + wait_s
+    while time.monotonic() < settle:
+        time.sleep(0.06)
+        now = {r: size(r) for r in before}
+        if now == sizes:
+            break
+        sizes = now
     stacks = {}
     for rank, offset in before.items():
         try:
