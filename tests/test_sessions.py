@@ -97,6 +97,8 @@ def test_a_headless_run_is_listed_and_stopped_as_ctrl_c_would(tmp_path):
                  "print(torch.cuda.device_count(), torch.cuda.get_device_name(0), (x * 2).sum().item(), x.device)")
         r = _mirage(tmp_path, "exec", entry["session"], "--", sys.executable, "-c", probe)
         assert r.returncode == 0 and r.stdout.split("\n")[0] == "2 AMD Instinct MI350X 8.0 cuda:0", r.stdout + r.stderr
+        # (a fresh-clone suite once saw the owner gone at the next exec: say how it ended if so)
+        assert proc.poll() is None, f"the run ended during the probe: {proc.communicate(timeout=30)[1][-3000:]}"
         r = _mirage(tmp_path, "exec", entry["session"], "--", sys.executable, "-c",
                     "import torch.distributed as d; d.init_process_group('nccl')")
         assert r.returncode == 1 and "may not join the job's process groups" in r.stderr, r.stderr
