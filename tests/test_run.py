@@ -139,6 +139,21 @@ def test_batch_flag_of_mirage_tui(tmp_path):
     assert not [m for m in imported if m.startswith("textual")], "batch mode imported Textual"
 
 
+def interrupt_when_sleeping(proc: subprocess.Popen, tmp_path: Path, ranks: int) -> tuple[str, str]:
+    """Once ``ranks`` sleeper.py ranks of the run under ``tmp_path`` are up, Ctrl-C it; its (stdout, stderr)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        logs = list(tmp_path.glob("*/rank-*.log"))
+        if len(logs) == ranks and all("sleeping" in p.read_text() for p in logs):
+            break
+        time.sleep(0.2)
+    else:
+        proc.kill()
+        pytest.fail("ranks never started")
+    proc.send_signal(2)  # SIGINT, as Ctrl-C does
+    return proc.communicate(timeout=30)
+
+
 def test_ctrl_c_stops_everything(tmp_path):
     env = dict(os.environ, PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
     proc = subprocess.Popen(
@@ -146,17 +161,7 @@ def test_ctrl_c_stops_everything(tmp_path):
          "torchrun", "--standalone", "--nproc_per_node=2", str(FIXTURES / "sleeper.py")],
         cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:  # wait until both ranks are up
-        logs = list(tmp_path.glob("*/rank-*.log"))
-        if len(logs) == 2 and all("sleeping" in p.read_text() for p in logs):
-            break
-        time.sleep(0.2)
-    else:
-        proc.kill()
-        pytest.fail("ranks never started")
-    proc.send_signal(2)  # SIGINT, as Ctrl-C does
-    out, err = proc.communicate(timeout=30)
+    out, err = interrupt_when_sleeping(proc, tmp_path, ranks=2)
     assert proc.returncode == 130, err
     assert "interrupted by SIGINT" in err
 

@@ -24,7 +24,7 @@ from mirage_tui.cli import tui_main
 from mirage_tui.session import Session
 from mirage_tui.topology import CLEARED_ENV_KEEPS, Topology
 from test_cli_usage import mirage
-from test_run import FIXTURES, REPO_ROOT, events, mirage_run, run_dir
+from test_run import FIXTURES, REPO_ROOT, events, interrupt_when_sleeping, mirage_run, run_dir
 
 pytestmark = pytest.mark.usefixtures("no_orphans")
 RANK_ENV = str(FIXTURES / "rank_env.py")
@@ -110,17 +110,7 @@ def test_ctrl_c_stops_every_rank_process(tmp_path):
          "--nproc-per-node", "2", "--", "python", str(FIXTURES / "sleeper.py")],
         cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:  # wait until all four ranks are up
-        logs = list(tmp_path.glob("*/rank-*.log"))
-        if len(logs) == 4 and all("sleeping" in p.read_text() for p in logs):
-            break
-        time.sleep(0.2)
-    else:
-        proc.kill()
-        pytest.fail("ranks never started")
-    proc.send_signal(2)  # SIGINT, as Ctrl-C does
-    out, err = proc.communicate(timeout=30)
+    out, err = interrupt_when_sleeping(proc, tmp_path, ranks=4)
     assert proc.returncode == 130, err
     assert "[3] rank 3 sleeping" in out
 

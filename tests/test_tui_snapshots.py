@@ -58,19 +58,21 @@ async def _until_report(pilot) -> None:
     await pilot.pause(0.1)
 
 
+async def _to_the_run(pilot) -> None:
+    """The replay to its end, then back from the report to the run screen."""
+    await _until_report(pilot)
+    await pilot.press("escape")
+    await pilot.pause(0.1)
+
+
 def test_setup_screen(snap_compare):
     # the default last-run path is only written when a run starts; nothing starts here
     assert snap_compare(_app(topology=DEMO, setup=True, demo=DEMO), terminal_size=SIZE)
 
 
 def test_run_screen(snap_compare):
-    async def to_the_run(pilot) -> None:
-        await _until_report(pilot)
-        await pilot.press("escape")
-        await pilot.pause(0.1)
-
     app = _app(recording=replay.load(RECORDED_RUN), speed=0)
-    assert snap_compare(app, terminal_size=SIZE, run_before=to_the_run)
+    assert snap_compare(app, terminal_size=SIZE, run_before=_to_the_run)
 
 
 def test_report_screen(snap_compare):
@@ -122,13 +124,8 @@ def test_recordings_are_relative():
 
 def test_run_screen_of_a_clocked_run(snap_compare):
     """The clocked timeline: rank 2's lane solid, the others waiting (░) for it before each all-reduce."""
-    async def to_the_run(pilot) -> None:
-        await _until_report(pilot)
-        await pilot.press("escape")
-        await pilot.pause(0.1)
-
     app = _app(recording=replay.load(CLOCKED), speed=0)
-    assert snap_compare(app, terminal_size=SIZE, run_before=to_the_run)
+    assert snap_compare(app, terminal_size=SIZE, run_before=_to_the_run)
 
 
 def test_report_screen_of_a_clocked_run(snap_compare):
