@@ -6,6 +6,10 @@ over its PUB socket and into ``events.jsonl``. Each message kind is a frozen
 dataclass here, so no stringly dict crosses a module boundary. How they become
 bytes and back is :mod:`emulator.codec`; import both through
 :mod:`emulator.schema`.
+
+Past 600 lines on purpose: this is the one catalogue of the wire format, a list
+of small dataclasses with no logic between them, read by looking a message up;
+split by topic, a reader would search several files for one exchange.
 """
 
 from __future__ import annotations

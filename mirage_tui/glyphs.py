@@ -1,4 +1,4 @@
-"""Figures as plain strings: byte sizes, and bars and sparklines drawn with block characters (no Textual)."""
+"""Figures as plain strings: byte sizes, durations, bars and sparklines of block characters (no Textual)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,15 @@ def human_bytes(n: int) -> str:
         if size < 1024:
             break
     return f"{size:.1f} {unit}"
+
+
+def human_seconds(seconds: float) -> str:
+    """``0.0124`` -> ``12.4 ms``: an emulated duration in the unit that suits it."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if abs(seconds) >= scale:
+            value = seconds / scale
+            return f"{value:.0f} {unit}" if value >= 100 else f"{value:.3g} {unit}"
+    return "0 s" if seconds == 0 else f"{seconds * 1e9:.3g} ns"
 
 
 def bar(fraction: float, width: int) -> str:

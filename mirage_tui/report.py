@@ -10,9 +10,9 @@ import os
 import sys
 
 from emulator.schema import HangKind
-from mirage_tui.glyphs import human_bytes
+from mirage_tui.glyphs import human_bytes, human_seconds
 from mirage_tui.rundir import RunDir
-from mirage_tui.runstate import Outcome, RunState, human_seconds
+from mirage_tui.runstate import Outcome, RunState
 from mirage_tui.topology import ExecMode, Topology
 
 

@@ -16,7 +16,9 @@ import clocked_events as ce
 from emulator import kineto_trace
 from mirage_tui import report
 from mirage_tui import rundir
-from mirage_tui.runstate import Outcome, RunState, human_seconds, step_segments
+from mirage_tui.glyphs import human_seconds
+from mirage_tui.runstate import Outcome, RunState
+from mirage_tui.runstate_clocked import step_segments
 from mirage_tui.topology import ExecMode, Topology
 
 MS = 1e-3

@@ -5,6 +5,11 @@ imports neither torch, Textual nor the other components; the shim neither
 Textual nor the console; batch mode and the console outside ``mirage_tui/app``
 never Textual; no import cycle among the modules of a package. ``ruff check``
 runs the small rule set of ``[tool.ruff]``.
+
+A new module of ``mirage_tui`` is covered or the check fails: the layers
+contract is exhaustive (import-linter names a module no layer holds), and the
+"never Textual" contract lists its modules by name, so a test here compares that
+list with the package's files.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,3 +38,18 @@ def test_import_contracts_are_kept():
 def test_ruff_finds_nothing():
     done = _run("ruff", "check", "--no-cache", ".")
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+
+
+#: The modules of mirage_tui that may import Textual: the app's package, and cli, which builds the app
+#: (lazily: its own import stays Textual-free, which the usage and batch tests check by running it).
+_MAY_IMPORT_TEXTUAL = {"mirage_tui.app", "mirage_tui.cli", "mirage_tui.__main__", "mirage_tui.__init__"}
+
+
+def test_every_console_module_outside_the_app_is_forbidden_textual():
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    (listed,) = [set(c["source_modules"]) for c in contracts
+                 if c["type"] == "forbidden" and "textual" in c["forbidden_modules"]
+                 and any(m.startswith("mirage_tui.") for m in c["source_modules"])]
+    modules = {f"mirage_tui.{p.stem}" for p in (ROOT / "mirage_tui").glob("*.py")} - _MAY_IMPORT_TEXTUAL
+    assert modules - listed == set(), "add them to the forbidden contract in pyproject.toml"
+    assert listed - modules == set(), "modules the contract names that are gone"

@@ -13,7 +13,9 @@ from rich.text import Text
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 
-from mirage_tui.runstate import RunState, Timeline, human_seconds
+from mirage_tui.glyphs import human_seconds
+from mirage_tui.runstate import RunState
+from mirage_tui.runstate_clocked import Timeline
 
 #: Steps the timeline shows: the last ones every rank reported.
 STEPS = 3
