@@ -17,10 +17,14 @@ def main() -> int:
     p.add_argument("--exec-mode", choices=["functional", "clocked"], default="functional",
                    help="clocked: time each collective on the profile's GPUs (docs/clocked.md)")
     p.add_argument("--hang-timeout", type=float, default=30.0, help="seconds before a partly joined collective is a hang")
+    p.add_argument("--listen", default="", metavar="ADDR",
+                   help="also take ranks over TCP on this address, CURVE-encrypted (multi-host runs)")
+    p.add_argument("--curve-secret-file", default="", help="the CURVE secret key for --listen (a 0600 file)")
     a = p.parse_args()
     with open(a.token_file) as f:
         token = f.read().strip()
-    return run(a.run_dir, a.session, token, a.profile, a.nodes, a.gpus_per_node, a.hang_timeout, a.exec_mode)
+    return run(a.run_dir, a.session, token, a.profile, a.nodes, a.gpus_per_node, a.hang_timeout, a.exec_mode,
+               a.listen, a.curve_secret_file)
 
 
 if __name__ == "__main__":

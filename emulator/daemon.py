@@ -9,7 +9,15 @@ order events are published.
 
 Sockets are ``ipc://`` files in the session's 0700 run directory; every request
 must carry the session token; anything malformed gets an ``Error`` reply and a
-``ProtocolError`` event, never an exception out of the loop.
+``ProtocolError`` event, never an exception out of the loop. A multi-host run
+(``--listen ADDR``) also takes ranks over TCP on that one address, encrypted
+with CURVE (:func:`listen_tcp`); the daemon then checks only its own host's
+processes, and hears of another host's from the session (``RankExited``).
+
+Over 600 lines on purpose: the loop, the request dispatch and a job's finish
+are one sequence of steps a reader follows top to bottom; what stands on its own
+lives beside it (the fast socket, ledger, scheduler, kernels, hang and straggler
+detection, the collective clock).
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import hmac
 import os
 import resource
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -67,17 +76,43 @@ MAX_FRAME_BYTES = s.MAX_DATA_FRAME_BYTES
 ONE_FRAME = "malformed request: expected one frame (data frames follow only a socket-transport collective)"
 
 
+#: Where a daemon started with ``--listen`` writes its TCP endpoint (read by the session).
+TCP_ENDPOINT_FILE = "tcp-endpoint"
+
+
 def endpoints(run_dir: str) -> tuple[str, str]:
     """The (rpc, events) ZeroMQ endpoints of the daemon serving ``run_dir``."""
     return f"ipc://{os.path.join(run_dir, RPC_SOCKET)}", f"ipc://{os.path.join(run_dir, EVENT_SOCKET)}"
+
+
+def listen_tcp(sock: zmq.Socket, address: str, secret_key_file: str) -> str:
+    """Bind ``sock`` (already bound to its ``ipc://`` endpoint) on ``tcp://address`` too, as a CURVE server.
+
+    libzmq copies a socket's options into each listener when it binds, so the
+    ``ipc://`` endpoint keeps the NULL mechanism (the run directory's 0700 guards
+    it) and only the TCP one, which crosses the network, is encrypted: the
+    session token inside every request never travels in clear. The secret key
+    comes from a 0600 file of the run directory; clients need only the public
+    key (``zmq.curve_public``) and make their own key pair. Returns the bound
+    endpoint (its port chosen by the kernel).
+    """
+    with open(secret_key_file, "rb") as f:
+        secret = f.read().strip()
+    sock.curve_secretkey = secret
+    sock.curve_publickey = zmq.curve_public(secret)
+    sock.curve_server = True
+    sock.bind(f"tcp://{address}:0")
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
 class Daemon:
     """Serves one session until stopped (SIGTERM, or its parent going away)."""
 
     def __init__(self, run_dir: str, session: str, token: str, profile: str, nodes: int, gpus_per_node: int,
-                 hang_timeout_s: float = 30.0, exec_mode: str = "functional"):
+                 hang_timeout_s: float = 30.0, exec_mode: str = "functional", listen: str = "",
+                 secret_key_file: str = ""):
         self.session = session
+        self.host = socket.gethostname()  # ranks on another host are watched by their host's agent
         self.token = token
         self._token_bytes = token.encode()
         self.profile = profile
@@ -96,6 +131,10 @@ class Daemon:
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self.router.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)  # a 4 GiB frame must not be buffered
         self.router.bind(rpc)
+        if listen:  # ranks on other hosts (--launcher slurm): the endpoint goes to the session in a file
+            tcp = listen_tcp(self.router, listen, secret_key_file)
+            with open(os.path.join(run_dir, TCP_ENDPOINT_FILE), "w") as f:
+                f.write(tcp)
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.SNDHWM, 0)  # events are never dropped for a slow session
         self.pub.setsockopt(zmq.LINGER, 2000)
@@ -113,6 +152,8 @@ class Daemon:
         self.hangs = HangDetector(hang_timeout_s)
         self.stragglers = StragglerDetector()
         self.rank_pids: dict[int, int] = {}  # global rank -> pid, from Hello
+        self.rank_hosts: dict[int, str] = {}  # global rank -> the host its pid is on, from Hello
+        self.gone_elsewhere: set[tuple[str, int]] = set()  # (host, pid) another host's agent saw exit
         self.dead: dict[int, str] = {}  # global rank -> how it went
         # global rank -> pid of ranks that stopped in a debugger (--debug-rank) in this run: their waits are
         # not hangs while they are stopped, and their arrival times say nothing about stragglers
@@ -245,12 +286,18 @@ class Daemon:
             elif isinstance(msg, s.Hello):
                 self.reply(client, s.Ok(req=msg.req))
                 self.rank_pids[msg.rank] = msg.pid
+                self.rank_hosts[msg.rank] = msg.host
                 self.dead.pop(msg.rank, None)  # a restarted rank (torchrun --max-restarts) is alive again
-                self.publish(s.RankRegistered(rank=msg.rank, node=msg.node, pid=msg.pid))
+                self.publish(s.RankRegistered(rank=msg.rank, node=msg.node, pid=msg.pid, host=msg.host))
+            elif isinstance(msg, s.RankExited):
+                self.reply(client, s.Ok(req=msg.req))
+                self.gone_elsewhere.add((msg.host, msg.pid))
+                if self.rank_pids.get(msg.rank) == msg.pid and self.rank_hosts.get(msg.rank) == msg.host:
+                    self.rank_gone(msg.rank, f"rank {msg.rank} (pid {msg.pid} on {msg.host}) exited")
             elif isinstance(msg, s.WorldFormation):
                 if not 1 <= msg.size <= MAX_COMM_SIZE or not 0 <= msg.rank < msg.size:
                     raise CommError("ncclInvalidArgument", f"rank {msg.rank} outside a world of size {msg.size}")
-                self.worlds.record(msg, alive)
+                self.worlds.record(msg, self.alive)
                 self.reply(client, s.Ok(req=msg.req))
                 self.publish(s.WorldStage(world=msg.world, rank=msg.rank, size=msg.size, site=msg.site,
                                           phase=msg.phase))
@@ -397,15 +444,27 @@ class Daemon:
             self.reply(p.client, s.Error(req=p.request.req, code=err.code, message=err.message))
         self.publish(s.CommFailed(comm=comm.comm, code=err.code, message=err.message))
 
+    def local(self, host: str) -> bool:
+        """Whether a process of ``host`` runs on this daemon's machine (its pid means something here)."""
+        return not host or host == self.host
+
+    def alive(self, pid: int, host: str = "") -> bool:
+        """Whether process ``pid`` of ``host`` lives: seen here, or as its host's agent last said."""
+        return alive(pid) if self.local(host) else (host, pid) not in self.gone_elsewhere
+
+    def rank_gone(self, rank: int, how: str) -> None:
+        pid = self.rank_pids.pop(rank)
+        self.rank_hosts.pop(rank, None)
+        self.dead[rank] = how
+        self.publish(s.RankGone(rank=rank, pid=pid))
+
     def check_peers(self) -> None:
         """Notice ranks whose process is gone, and fail the collectives waiting on them."""
         for rank, pid in list(self.rank_pids.items()):
-            if not alive(pid):
-                del self.rank_pids[rank]
-                self.dead[rank] = f"rank {rank} (pid {pid}) exited"
-                self.publish(s.RankGone(rank=rank, pid=pid))
+            if self.local(self.rank_hosts.get(rank, "")) and not alive(pid):
+                self.rank_gone(rank, f"rank {rank} (pid {pid}) exited")
         for rank, pid in list(self.debugged.items()):
-            if not alive(pid):  # it died in its debugger ('q'): its peers' waits are hangs (or failures) again
+            if self.local(self.rank_hosts.get(rank, "")) and not alive(pid):  # it died in its debugger ('q'): its peers' waits are hangs (or failures) again
                 del self.debugged[rank]
                 self.hangs.debugger(rank, stopped=False)
         for comm in self.ledger.comms.values():
@@ -525,7 +584,7 @@ class Daemon:
                 )
                 for finding in self.hangs.scan(self.ledger, now, busy):
                     self.publish(finding)
-                for finding in self.hangs.scan_worlds(self.worlds, alive, now):
+                for finding in self.hangs.scan_worlds(self.worlds, self.alive, now):
                     self.publish(finding)
             self.flush_events(force=False)
             if orphaned(parent):
@@ -533,7 +592,8 @@ class Daemon:
 
     def stop_orphans(self) -> None:
         """The session is gone: stop the ranks it left (they would wait on nobody) and remove its arenas."""
-        stop_orphans(self.session, self.rank_pids.values())
+        # another host's ranks are its agent's to stop (it stops them once the session stops answering)
+        stop_orphans(self.session, [p for r, p in self.rank_pids.items() if self.local(self.rank_hosts.get(r, ""))])
 
     def close(self) -> None:
         self.flush_events()
@@ -573,11 +633,12 @@ def _comm_error(e: CommError | KernelError) -> CommError:
 
 
 def run(run_dir: str, session: str, token: str, profile: str, nodes: int, gpus_per_node: int,
-        hang_timeout_s: float, exec_mode: str = "functional") -> int:
+        hang_timeout_s: float, exec_mode: str = "functional", listen: str = "", secret_key_file: str = "") -> int:
     """Entry point used by ``python -m emulator``."""
     parent = os.getppid()
     die_with_parent()
-    daemon = Daemon(run_dir, session, token, profile, nodes, gpus_per_node, hang_timeout_s, exec_mode)
+    daemon = Daemon(run_dir, session, token, profile, nodes, gpus_per_node, hang_timeout_s, exec_mode, listen,
+                    secret_key_file)
 
     def stop(signum, frame):
         daemon.running = False

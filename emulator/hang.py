@@ -77,7 +77,7 @@ class HangDetector:
         """Findings for every world some rank has waited to form for longer than the timeout.
 
         A world hangs while a live rank waits in ``init_process_group`` and ranks
-        are missing from it (never arrived, or arrived and died); ``alive(pid)``
+        are missing from it (never arrived, or arrived and died); ``alive(pid, host)``
         tells live processes. Each world is reported once.
         """
         now = time.monotonic() if now is None else now
@@ -85,7 +85,7 @@ class HangDetector:
         for world in worlds.worlds.values():
             if world.reported or all(a.formed for a in world.arrived.values()):
                 continue  # (nobody waits: no need to ask which processes live)
-            present = {r: a for r, a in world.arrived.items() if alive(a.pid)}
+            present = {r: a for r, a in world.arrived.items() if alive(a.pid, a.host)}
             waiting = [a.at for a in present.values() if not a.formed]
             if not waiting or len(present) == world.size:
                 continue

@@ -197,6 +197,7 @@ class Arrival:
     rank: int
     pid: int
     site: str
+    host: str = ""  # the machine ``pid`` runs on
     at: float = field(default_factory=time.monotonic)  # when it started waiting
     formed: bool = False  # init_process_group returned
 
@@ -218,18 +219,18 @@ class Worlds:
         self.worlds: dict[str, World] = {}
 
     def record(self, msg: WorldFormation, alive) -> None:
-        """Note a rank entering or leaving ``init_process_group``; ``alive(pid)`` tells live processes."""
+        """Note a rank entering or leaving ``init_process_group``; ``alive(pid, host)`` tells live processes."""
         world = self.worlds.get(msg.world)
         if msg.phase is WorldPhase.JOINING:
             if world is not None:
                 # processes that are gone, and a rank formed before (a new world under an old name:
                 # new processes, the same rendezvous address), belong to an earlier world
                 stale = msg.rank in world.arrived and world.arrived[msg.rank].formed
-                world.arrived = {r: a for r, a in world.arrived.items() if alive(a.pid) and not stale}
+                world.arrived = {r: a for r, a in world.arrived.items() if alive(a.pid, a.host) and not stale}
             if world is None or not world.arrived:
                 world = self.worlds[msg.world] = World(msg.world, msg.size)
             world.size = max(world.size, msg.size)  # ranks that disagree: the larger world is the one waited for
-            world.arrived[msg.rank] = Arrival(msg.rank, msg.pid, msg.site)
+            world.arrived[msg.rank] = Arrival(msg.rank, msg.pid, msg.site, msg.host)
             return
         arrival = world.arrived.get(msg.rank) if world is not None else None
         if arrival is None:

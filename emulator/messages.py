@@ -30,7 +30,7 @@ __all__ = [
     "RankRegistered", "RankGone", "MemoryUsage", "CommJoined", "CollectiveEnqueued", "CollectiveStarted",
     "CollectiveProgress", "CollectiveCompleted", "CommFailed", "HangKind", "WorldStage", "HangDetected",
     "StragglerWarning", "HangReport", "ProtocolError", "OutputLine", "ProcessExited", "SessionEnded",
-    "DebugPhase", "DebuggerState", "RankDebugging",
+    "DebugPhase", "DebuggerState", "RankDebugging", "RankExited", "HostLost",
 ]
 
 VERSION = 1
@@ -138,6 +138,7 @@ class Hello(Request):
     rank: int = -1
     node: int = 0
     pid: int = 0
+    host: str = ""  # the machine it runs on (its hostname): the daemon checks only its own host's pids
 
 
 @dataclass(frozen=True)
@@ -182,6 +183,7 @@ class WorldFormation(Request):
     pid: int = 0
     site: str = ""
     phase: WorldPhase = WorldPhase.JOINING
+    host: str = ""  # the machine ``pid`` runs on (its hostname), as in Hello
 
 
 @dataclass(frozen=True)
@@ -342,6 +344,7 @@ class RankRegistered(Event):
     rank: int = 0
     node: int = 0
     pid: int = 0
+    host: str = ""
 
 
 @dataclass(frozen=True)
@@ -604,3 +607,29 @@ class RankDebugging(Event):
     debugger: str = "pdb"
     address: str = ""
     connect: str = ""
+
+
+# ---------------------------------------------------------------- ranks on other hosts (--launcher slurm)
+
+
+@dataclass(frozen=True)
+class RankExited(Request):
+    """Process ``pid`` of rank ``rank``, on host ``host``, is gone: the daemon cannot see another host's
+    processes, so that host's agent (``mirage_tui.node_agent``) tells it, through the session."""
+
+    TYPE: ClassVar[str] = "rank_exited"
+    rank: int = 0
+    pid: int = 0
+    host: str = ""
+
+
+@dataclass(frozen=True)
+class HostLost(Event):
+    """A host of a multi-host run stopped answering (its agent, its slurmd, or the machine went away);
+    ``nodes`` and ``ranks`` are the emulated nodes and the ranks it ran."""
+
+    TYPE: ClassVar[str] = "host_lost"
+    host: str = ""
+    nodes: list[int] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)
+    why: str = ""

@@ -43,6 +43,7 @@ from mirage_tui.topology import (
     DEFAULT_HANG_TIMEOUT_S,
     CommandNotFound,
     ExecMode,
+    Launcher,
     OnHang,
     Topology,
     UsageError,
@@ -50,6 +51,7 @@ from mirage_tui.topology import (
     check_command,
     parse_env,
     parse_size,
+    slurm_hosts,
     validate,
 )
 
@@ -94,7 +96,15 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
         help=f"GPU model to emulate: a built-in or user profile, or a profile .toml file "
         f"(default: {DEFAULT_PROFILE}; see 'mirage profiles')",
     )
-    parser.add_argument("--num-nodes", type=int, default=1, metavar="N", help="nodes (default: 1)")
+    parser.add_argument("--num-nodes", type=int, default=None, metavar="N",
+                        help="nodes (default: 1; with --launcher slurm, the allocation's hosts)")
+    parser.add_argument(
+        "--launcher",
+        choices=[x.value for x in Launcher],
+        default=Launcher.LOCAL.value,
+        help="local: mirage starts every node on this machine (default); slurm: inside a Slurm allocation, "
+        "the nodes run on its hosts, started with srun, one agent per host (docs/scaling.md)",
+    )
     parser.add_argument(
         "--gpus-per-node", type=int, default=None, metavar="G", help="GPUs per node (default: 1; 2 for the demo)"
     )
@@ -199,9 +209,13 @@ def _split(argv: Sequence[str]) -> tuple[list[str], tuple[str, ...] | None]:
 def _topology(ns: argparse.Namespace, command: tuple[str, ...] | None, help_prog: str) -> Topology:
     """Build and validate the run's topology; errors point at ``help_prog --help``."""
     try:
+        launcher = Launcher(ns.launcher)
+        num_nodes = ns.num_nodes
+        if num_nodes is None:
+            num_nodes = slurm_hosts() if launcher is Launcher.SLURM else 1
         topology = Topology(
             profile=ns.profile,
-            num_nodes=ns.num_nodes,
+            num_nodes=num_nodes,
             gpus_per_node=1 if ns.gpus_per_node is None else ns.gpus_per_node,
             env=tuple(parse_env(item) for item in ns.env),
             in_process=ns.in_process,
@@ -217,9 +231,14 @@ def _topology(ns: argparse.Namespace, command: tuple[str, ...] | None, help_prog
             workdir=ns.workdir,
             clear_env=ns.clear_env_vars,
             debug_rank=ns.debug_rank,
+            launcher=launcher,
         )
         validate(topology)
         check_combination(topology)
+        if topology.launcher is Launcher.SLURM:
+            from mirage_tui import netif  # (psutil: only when needed)
+
+            netif.choose()  # an interface to listen on, or a one-line error naming NCCL_SOCKET_IFNAME
     except UsageError as e:
         raise UsageError(f"{e}; see '{help_prog} --help'") from None
     check_command(topology)

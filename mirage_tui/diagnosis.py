@@ -12,7 +12,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import socket
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import psutil
@@ -30,6 +32,7 @@ class RankState:
     last_output: str
     last_output_age_s: float | None
     stacks: str
+    host: str = ""  # the machine its process runs on, in a multi-host run
 
 
 @dataclass(frozen=True)
@@ -115,7 +118,8 @@ def dump_stacks(rank_pids: dict[int, int], ranks_dir: str, session: str, wait_s:
     return stacks
 
 
-def _process(pid: int | None) -> str:
+def process_status(pid: int | None) -> str:
+    """What psutil says process ``pid`` is doing (\"sleeping\", \"running\"...), or \"exited\"."""
     if pid is None:
         return "unknown (never registered)"
     try:
@@ -126,6 +130,10 @@ def _process(pid: int | None) -> str:
         return "unknown"
 
 
+#: Asks other hosts about their ranks (rank -> pid): rank -> (process status, stacks).
+Remote = Callable[[dict[int, int]], dict[int, tuple[str, str]]]
+
+
 def diagnose(
     finding: HangDetected,
     rank_pids: dict[int, int],
@@ -133,21 +141,32 @@ def diagnose(
     ranks_dir: str,
     session: str,
     comm_label: str = "",
+    rank_hosts: dict[int, str] | None = None,
+    remote: Remote | None = None,
 ) -> HangDiagnosis:
     """Gather each rank's state for ``finding`` (signals the ranks for their stacks); ``comm_label`` names its
-    communicator as the reader's fold does."""
-    stacks = dump_stacks(rank_pids, ranks_dir, session)
+    communicator as the reader's fold does. In a multi-host run ``rank_hosts`` says where each rank runs, and
+    ``remote`` asks the agents of the other hosts for their ranks' state (here only this host's are signalled)."""
+    rank_hosts = rank_hosts or {}
+    elsewhere = {r: p for r, p in rank_pids.items() if rank_hosts.get(r, "") not in ("", socket.gethostname())}
+    local = {r: p for r, p in rank_pids.items() if r not in elsewhere}
+    stacks = dump_stacks(local, ranks_dir, session)
+    states = {r: (process_status(p), stacks.get(r, "")) for r, p in local.items()}
+    if elsewhere and remote is not None:
+        states.update(remote(elsewhere))
     now = time.time()
     ranks = {}
     for rank in sorted(set(finding.joined) | set(finding.missing)):
         text, at = last_output.get(rank, ("", None))
+        process, rank_stacks = states.get(rank, (process_status(None) if rank not in rank_pids else "unknown", ""))
         ranks[rank] = RankState(
             rank=rank,
             pid=rank_pids.get(rank),
-            process=_process(rank_pids.get(rank)),
+            process=process,
             last_output=text,
             last_output_age_s=None if at is None else round(now - at, 1),
-            stacks=stacks.get(rank, ""),
+            stacks=rank_stacks,
+            host=rank_hosts.get(rank, ""),
         )
     return HangDiagnosis(finding, ranks, comm_label)
 
@@ -216,7 +235,8 @@ def _rank_lines(s: RankState | None) -> list[str]:
     if s is None:
         return []
     pid = "?" if s.pid is None else s.pid
-    lines = [f"      process {pid}: {s.process}"]
+    where = f" on {s.host}" if s.host else ""
+    lines = [f"      process {pid}{where}: {s.process}"]
     if s.last_output_age_s is not None:
         lines.append(f"      last output {s.last_output_age_s:.1f} s ago: {s.last_output}")
     frame = _innermost_user_frame(s.stacks)

@@ -82,7 +82,8 @@ def render(state: RunState, outcome: Outcome, run_dir: str, skipped: int = 0) ->
         assert r.registered_at is not None  # registered
         ran = f"{r.ended_at - r.registered_at:6.1f} s" if r.ended_at is not None else "  (no end)"
         peak = f"peak {human_bytes(r.peak_memory):>9}  " if r.peak_memory else ""
-        out.append(f"  rank {rank}  node {r.node}  pid {r.pid:<7} ran {ran}  {peak}log {paths.rank_log(rank)}")
+        host = f"on {r.host}  " if r.host and len({x.host for x in ranks.values()}) > 1 else ""
+        out.append(f"  rank {rank}  node {r.node}  {host}pid {r.pid:<7} ran {ran}  {peak}log {paths.rank_log(rank)}")
     if not ranks:
         out.append("  (no rank registered)")
     out += _comm_lines(state)
@@ -112,7 +113,7 @@ def to_json(state: RunState, topology: Topology, outcome: Outcome | None, run: R
         "nodes": {str(n): {"returncode": code, "log": run.node_log(n)} for n, code in st.node_exits.items()},
         "ranks": {
             # peak: the largest allocation peak its GPUs reported (bytes), None if it reported none
-            str(r): {"pid": pid, "log": run.rank_log(r),
+            str(r): {"pid": pid, "host": st.ranks[r].host if r in st.ranks else "", "log": run.rank_log(r),
                      "peak_gpu_memory": st.ranks[r].peak_memory if r in st.ranks and st.ranks[r].peak_memory else None}
             for r, pid in sorted(st.rank_pids.items())
         },

@@ -147,6 +147,7 @@ class RankStatus:
     raised: bool = False  # a traceback on its stderr
     failed: bool = False  # raised and ended, killed from the console, or (launched directly) exited non-zero
     hung: str = ""  # "stuck" (waits in a reported hang) or "missing" (a hang waits for it)
+    host: str = ""  # the machine it registered from (several hosts: --launcher slurm)
     gpus: set[int] = field(default_factory=set)  # the node's GPU indices it used
     peak_memory: int = 0  # bytes: the largest allocation peak any of its GPUs reported
 
@@ -234,6 +235,7 @@ class RunState:
         status = self._rank(e.rank)
         if status.node is None:  # a launcher's child that claims the rank later keeps its parent's place
             status.node, status.pid, status.registered_at = e.node, e.pid, e.t
+        status.host = e.host
         return Changed.RANKS
 
     def _gone(self, e: s.RankGone) -> Changed:
@@ -327,6 +329,17 @@ class RunState:
             self._rank(rank).hung = "stuck"
         for rank in e.missing:
             self._rank(rank).hung = "missing"
+        return Changed.RANKS
+
+    def _host_lost(self, e: s.HostLost) -> Changed:
+        ranks = ", ".join(map(str, e.ranks)) or "none registered"
+        self.findings.append(Finding(
+            "host lost", f"host {e.host} ({e.why}): node(s) {', '.join(map(str, e.nodes))}, ranks {{{ranks}}}"))
+        for rank in e.ranks:
+            status = self._rank(rank)
+            status.failed = True
+            if status.ended_at is None:
+                status.ended_at = e.t
         return Changed.RANKS
 
     def _hang_report(self, e: s.HangReport) -> Changed:
@@ -542,6 +555,7 @@ _FOLDS: dict[type, Callable[[RunState, s.Event], Changed]] = {
     s.OutputLine: RunState._output,
     s.DaemonReady: RunState._daemon_ready,
     s.RankRegistered: RunState._registered,
+    s.HostLost: RunState._host_lost,
     s.RankGone: RunState._gone,
     s.CommJoined: RunState._joined,
     s.CollectiveEnqueued: RunState._enqueued,

@@ -7,11 +7,18 @@ gathers every event (daemon events from ZeroMQ, output lines from the rank
 files and node pipes) into one ordered stream that goes to ``events.jsonl``
 and to the caller's sink, and tears everything down at the end: nodes first,
 the daemon last, then anything still carrying the session's id.
+
+Over 600 lines on purpose: start, wait, diagnose and stop all act on the same
+process list, event queue and fold, and one lifecycle reads best in one file.
+What stands on its own lives beside it: the environment a process gets
+(:mod:`~mirage_tui.launch_env`), starting and stopping processes
+(:mod:`~mirage_tui.processes`), other hosts (:mod:`~mirage_tui.hosts`), hang
+reports (:mod:`~mirage_tui.diagnosis`).
 """
 
 from __future__ import annotations
 
-import ctypes
+import errno
 import os
 import queue
 import signal
@@ -27,22 +34,22 @@ from dataclasses import dataclass
 import psutil
 import zmq
 
-from emulator import faults
 from emulator import kineto_trace
 from emulator import schema as s
 from emulator.arena import session_segments
-from emulator.daemon import endpoints
-from emulator.profiles import profile_path
-from mirage_tui import diagnosis, flight_recorder, report, rundir, sessions
+from emulator.daemon import TCP_ENDPOINT_FILE, endpoints
+from mirage_tui import diagnosis, flight_recorder, netif, report, rundir, sessions
+from mirage_tui import agent_protocol as ap
+from mirage_tui.hosts import Hosts, HostsError, RemoteProcess
+from mirage_tui.launch_env import BOOT_DIR, RankEnvironment, node_env, rank_env
 from mirage_tui.output import RankTail, pump_pipe
+from mirage_tui.processes import TERM_GRACE_S, StartError, signal_group, spawn
 from mirage_tui.runstate import Outcome, RunState
-from mirage_tui.topology import ExecMode, OnHang, Topology, UsageError, kept_env
+from mirage_tui.topology import Launcher, OnHang, Topology, UsageError, slurm_hosts
 from shim.bootstrap import is_torchrun_agent
 
 #: How long the other nodes may keep running after one failed.
 FAIL_GRACE_S = 3.0
-#: How long a process gets between SIGTERM and SIGKILL.
-TERM_GRACE_S = 3.0
 DAEMON_START_TIMEOUT_S = 20.0
 #: Exit code of a run stopped because of a hang (as coreutils' timeout uses).
 HANG_EXIT = 124
@@ -50,11 +57,13 @@ HANG_EXIT = 124
 DAEMON_DIED_EXIT = 125
 #: Exit code of a run stopped because its run directory could not be written (sysexits' EX_IOERR).
 WRITE_FAILED_EXIT = 74
+#: How often the run directory's free space is checked, and how little counts as full.
+SPACE_CHECK_S = 0.5
+MIN_FREE_BYTES = 4096
 #: Events queued for the journal at most: a rank flooding its output is read only as fast as it is recorded.
 EVENT_BACKLOG = 20_000
 #: Teardown waits for the event pumps and the journal as long as they make progress, and this long when they do not.
 DRAIN_STALL_S = 10.0
-_BOOT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "shim", "boot")
 
 Sink = Callable[[s.Event], None]
 
@@ -80,33 +89,20 @@ def _signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
-_LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: the child must not import or load anything
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_session():
-    """A pre-exec hook: the node gets SIGTERM from the kernel if this session dies, even by SIGKILL.
-
-    Teardown covers every other ending; this covers the one where no code of ours runs. (Nodes that
-    registered with the daemon are also stopped by it; this reaches nodes that never did.)
-    """
-    parent = os.getpid()
-
-    def hook() -> None:
-        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:  # the session died before the line above took effect
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return hook
-
-
 @dataclass(frozen=True)
 class Launched:
     """One process the session started: a node's command, or (``--nproc-per-node``) one rank of a node."""
 
-    proc: subprocess.Popen
+    proc: subprocess.Popen | RemoteProcess  # RemoteProcess: started by the agent of another host
     node: int
     rank: int | None = None  # the global rank mirage gave it; None for a node process
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to its process group, on whichever host it runs."""
+        if isinstance(self.proc, RemoteProcess):
+            self.proc.send_signal(sig)
+        else:
+            signal_group(self.proc.pid, sig)
 
 
 class Session:
@@ -134,6 +130,15 @@ class Session:
         self.state = RunState()  # the fold of every event (written by the dispatcher only): diagnoses, the report
         self._hangs: queue.Queue[s.HangDetected] = queue.Queue()
         self.trace: str | None = None  # the merged trace.json of a clocked run, once closed
+        # a multi-host run (--launcher slurm): the daemon's TCP address and key, and the hosts' agents
+        self._address = ""
+        self._server_key = ""
+        self._tcp_endpoint = ""
+        self._secret_file = os.path.join(self.run.path, "curve.secret")
+        self.hosts: Hosts | None = None
+        self._master_addr = "127.0.0.1"  # MASTER_ADDR: this machine, or the host of node 0
+        self.rank_hosts: dict[int, str] = {}  # global rank -> the host it registered from
+        self._space_checked = 0.0  # when the run directory's free space was last looked at
 
     # ------------------------------------------------------------ events
 
@@ -159,6 +164,8 @@ class Session:
                 self._written += 1
                 self._record(e, line)
                 self.state.apply(e)
+                if isinstance(e, s.RankRegistered):
+                    self._registered(e)
                 if isinstance(e, s.HangDetected):
                     self._flush_journal()  # the diagnosis reads the journal (Flight Recorder dumps)
                     self._hangs.put(e)
@@ -169,6 +176,12 @@ class Session:
                 except Exception as err:  # a broken display must not stop the journal
                     self._sink_failed(err)
             self._flush_journal()
+
+    def _registered(self, e: s.RankRegistered) -> None:
+        """Note where a rank runs; on another host, its agent watches the process for the daemon."""
+        self.rank_hosts[e.rank] = e.host
+        if self.hosts is not None and e.host and e.host != socket.gethostname():
+            self.hosts.watch(e.host, e.rank, e.pid)
 
     def _sink_failed(self, err: Exception) -> None:
         """Report a display failure once per kind (not once per event); a reader that went away is let go."""
@@ -266,7 +279,7 @@ class Session:
             [sys.executable, "-m", "emulator", "--run-dir", self.run.path, "--session", self.run.session,
              "--token-file", self.run.token_file, "--profile", topo.profile, "--nodes", str(topo.num_nodes),
              "--gpus-per-node", str(topo.gpus_per_node), "--hang-timeout", str(topo.hang_timeout_s),
-             "--exec-mode", topo.exec_mode.value],
+             "--exec-mode", topo.exec_mode.value, *self._listen_args()],
             stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=self._daemon_env(),
         )
         log.close()
@@ -291,117 +304,62 @@ class Session:
                     for event in s.decode_events(self._sub.recv()):
                         if isinstance(event, s.DaemonReady):
                             self.emit(event)
+                            if self._address:
+                                with open(os.path.join(self.run.path, TCP_ENDPOINT_FILE)) as f:
+                                    self._tcp_endpoint = f.read().strip()
                             return
             raise LaunchError(f"the mirage daemon did not answer within {DAEMON_START_TIMEOUT_S:.0f} s", 1)
         finally:
             dealer.close(0)
 
+    def _listen_args(self) -> list[str]:
+        """A multi-host run's daemon also listens on the chosen interface, CURVE-encrypted (its secret key
+        in a 0600 file of the run directory, removed with the token)."""
+        if self.topology.launcher is not Launcher.SLURM:
+            return []
+        try:
+            _, self._address = netif.choose()
+        except UsageError as e:
+            raise LaunchError(str(e), 2) from None
+        public, secret = zmq.curve_keypair()
+        self._server_key = public.decode()
+        fd = os.open(self._secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(secret)
+        return ["--listen", self._address, "--curve-secret-file", self._secret_file]
+
     def _daemon_env(self) -> dict[str, str]:
         env = dict(os.environ)
-        root = os.path.dirname(os.path.dirname(_BOOT_DIR))
+        root = os.path.dirname(os.path.dirname(BOOT_DIR))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         env["MIRAGE_SESSION"] = self.run.session  # tags it for the orphan sweep
         return env
 
-    def node_env(self, node: int, master_port: int) -> dict[str, str]:
-        """The environment node process ``node`` starts with.
+    def where(self) -> RankEnvironment:
+        """What every launched process is told about this session (:mod:`mirage_tui.launch_env`)."""
+        return RankEnvironment(
+            topology=self.topology, session=self.run.session, run_dir=self.run.path, token=self.run.token,
+            endpoint=self._tcp_endpoint or endpoints(self.run.path)[0], master_addr=self._master_addr,
+            server_key=self._server_key if self._tcp_endpoint else "",
+            daemon_pid=self.daemon.pid if self.daemon is not None and not self._tcp_endpoint else None,
+        )
 
-        One node is a machine's shell: no per-rank variables, so launchers that
-        start their own ranks (Lightning, Accelerate, ``mp.spawn``) see what they
-        would see there. Several nodes launched directly (one process per node)
-        get ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` for ``env://``, as a job
-        scheduler gives them. What the user exported passes through, as in a shell
-        (with ``--clear-env-vars``, only :data:`~mirage_tui.topology.CLEARED_ENV_KEEPS`).
-        """
-        topo = self.topology
-        if topo.clear_env:
-            env = kept_env(dict(os.environ))
-        else:
-            env = {k: v for k, v in os.environ.items() if k != "MIRAGE_RANK_PID"}
-        if topo.num_nodes > 1 and topo.nproc_per_node is None:
-            env.update(RANK=str(node), WORLD_SIZE=str(topo.num_nodes), LOCAL_RANK="0")
-        env.update(
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port),
-            NCCL_HOSTID=f"mirage-node-{node}", PYTHONUNBUFFERED="1",
-        )
-        env.update(dict(topo.env))  # the user's --env wins over our defaults, not over MIRAGE_*
-        env.update(
-            MIRAGE_HEAD_ADDR="127.0.0.1", MIRAGE_HEAD_PORT=str(master_port),
-            MIRAGE_SESSION=self.run.session, MIRAGE_RUN_DIR=self.run.path,
-            MIRAGE_ENDPOINT=endpoints(self.run.path)[0], MIRAGE_TOKEN=self.run.token,
-            # the profile's file, not its name: a rank whose environment lost XDG_CONFIG_HOME
-            # (the user's --env, a launcher's) still loads the same user profile
-            MIRAGE_PROFILE=str(profile_path(topo.profile).absolute()), MIRAGE_GPUS_PER_NODE=str(topo.gpus_per_node),
-            MIRAGE_NODE_RANK=str(node), MIRAGE_NUM_NODES=str(topo.num_nodes),
-        )
-        if topo.in_process:
-            env["MIRAGE_IN_PROCESS"] = "1"
-        if topo.exec_mode is ExecMode.CLOCKED:
-            env["MIRAGE_EXEC_MODE"] = topo.exec_mode.value
-        if self.daemon is not None:  # ranks stop waiting for replies once it is gone
-            env["MIRAGE_DAEMON_PID"] = str(self.daemon.pid)
-        if topo.hbm_bytes is not None:
-            env["MIRAGE_HBM_BYTES"] = str(topo.hbm_bytes)
-        if topo.faults:
-            env[faults.ENV] = ";".join(f.spec() for f in topo.faults)
-        if topo.debug_rank is not None:  # that rank waits for a debugger before its program runs (shim.debugger)
-            env["MIRAGE_DEBUG_RANK"] = str(topo.debug_rank)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_BOOT_DIR, env.get("PYTHONPATH")) if p)
-        return env
+    def node_env(self, node: int, master_port: int) -> dict[str, str]:
+        """The environment node process ``node`` starts with (:func:`mirage_tui.launch_env.node_env`)."""
+        return node_env(self.where(), node, master_port)
 
     def rank_env(self, node: int, local_rank: int, master_port: int) -> dict[str, str]:
-        """The environment of rank process ``local_rank`` of node ``node`` (``--nproc-per-node``).
-
-        The node's environment plus what torchrun 2.13's agent gives each worker
-        (``LocalElasticAgent._start_workers``), as a static rendezvous over all
-        nodes would: one role, no restarts, no agent store (rank 0 hosts the
-        ``env://`` store, there being no agent to host it). The per-rank
-        variables win over ``--env``, as torchrun's do over the shell's.
-        """
-        topo = self.topology
-        nproc = topo.nproc_per_node or 1
-        rank, world = node * nproc + local_rank, topo.num_nodes * nproc
-        env = self.node_env(node, master_port)
-        env.update(
-            RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(nproc),
-            GROUP_RANK=str(node), GROUP_WORLD_SIZE=str(topo.num_nodes),
-            ROLE_RANK=str(rank), ROLE_NAME="default", ROLE_WORLD_SIZE=str(world),
-            TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
-            TORCHELASTIC_RUN_ID=f"mirage-{self.run.session}", TORCHELASTIC_USE_AGENT_STORE="False",
-        )
-        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-        if nproc > 1:
-            env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for several workers per node
-        return env
+        """The environment of rank ``local_rank`` of node ``node`` (:func:`mirage_tui.launch_env.rank_env`)."""
+        return rank_env(self.where(), node, local_rank, master_port)
 
     def _launch(self, node: int, rank: int | None, env: dict[str, str]) -> None:
-        """Start the command as node ``node``'s process, or as its rank ``rank``; track it at once.
-
-        A rank's stdout and stderr are its rank files from the start (the kernel writes them, as the
-        shim's capture would), so a program that is not Python, or prints before the shim takes over,
-        is still that rank's. A node's are pipes, read as ``[node<n>]`` lines.
-        """
+        """Start the command as node ``node``'s process, or as its rank ``rank``; track it at once
+        (:func:`mirage_tui.processes.spawn`: a rank's output goes to its rank files, a node's to pipes)."""
         topo = self.topology
-        if rank is None:
-            out: int = subprocess.PIPE
-            err: int = subprocess.PIPE
-        else:
-            out, err = (os.open(os.path.join(self.run.ranks, f"rank-{rank}.{stream}"),
-                                os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600) for stream in ("stdout", "stderr"))
         try:
-            proc = subprocess.Popen(
-                list(topo.command), stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env,
-                cwd=topo.workdir or None, start_new_session=True, preexec_fn=_die_with_session(),
-            )
-        except (FileNotFoundError, PermissionError, NotADirectoryError) as e:
-            what = "not found" if isinstance(e, FileNotFoundError) else "not executable"
-            if topo.workdir and not os.path.isdir(topo.workdir):
-                raise LaunchError(f"--workdir {topo.workdir}: no such directory", 2) from None
-            raise LaunchError(f"command {what}: {topo.command[0]} (searched PATH)", 127) from None
-        finally:
-            if rank is not None:
-                os.close(out)
-                os.close(err)
+            proc = spawn(topo.command, env, topo.workdir, self.run.ranks, rank)
+        except StartError as e:
+            raise LaunchError(str(e), e.returncode) from None
         self.procs.append(Launched(proc, node, rank))
         if rank is None:
             self._threads.append(pump_pipe(proc.stdout, node, s.Stream.STDOUT, self.emit))
@@ -418,6 +376,8 @@ class Session:
             self._start_daemon()
             self._thread(self._pump_daemon_events, "daemon-events")
         self._thread(self._pump_rank_files, "rank-output")
+        if self.topology.launcher is Launcher.SLURM:
+            return self._start_on_hosts()
         port = _free_port()
         for node in range(self.topology.num_nodes):  # for 'mirage exec SESSION --node N'
             sessions.write_node_env(self.run.path, node, self.node_env(node, port))
@@ -429,6 +389,42 @@ class Session:
             for local in range(nproc):
                 self._launch(node, node * nproc + local, self.rank_env(node, local, port))
 
+    def _start_on_hosts(self) -> None:
+        """``--launcher slurm``: an agent per host of the allocation (srun), each host running its share of
+        the nodes; node 0's host is the rendezvous (MASTER_ADDR), as the first host of a Slurm job is."""
+        topo = self.topology
+        with open(self._secret_file, "rb") as f:
+            secret = f.read()
+        self.hosts = Hosts(self._address, secret, self.run.token, self.run.session, self.emit, self._gone_elsewhere)
+        try:
+            agents = self.hosts.start(slurm_hosts(), self._daemon_env(), os.path.join(self.run.path, "srun.log"))
+        except HostsError as e:
+            raise LaunchError(str(e), 1) from None
+        per_host = topo.num_nodes // len(agents)
+        self._master_addr, port = agents[0].hello.address, agents[0].hello.master_port
+        nproc = topo.nproc_per_node
+        for h, agent in enumerate(agents):
+            processes = []
+            for node in range(h * per_host, (h + 1) * per_host):
+                if nproc is None:
+                    processes.append(ap.Process(node, None, self.node_env(node, port)))
+                else:
+                    processes += [ap.Process(node, node * nproc + local, self.rank_env(node, local, port))
+                                  for local in range(nproc)]
+            for proc, p in zip(self.hosts.launch(agent, list(topo.command), topo.workdir, processes), processes):
+                self.procs.append(Launched(proc, p.node, p.rank))
+
+    def _gone_elsewhere(self, host: str, rank: int, pid: int) -> None:
+        """Tell the daemon that rank ``rank``'s process on ``host`` is gone (it sees only this host's)."""
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        try:
+            dealer.connect(endpoints(self.run.path)[0])
+            dealer.send(s.encode(s.RankExited(token=self.run.token, rank=rank, pid=pid, host=host)))
+            dealer.poll(1000)  # answered Ok once recorded
+        finally:
+            dealer.close(0)
+
     # ------------------------------------------------------------ wait / stop
 
     def wait(self) -> Outcome:
@@ -437,6 +433,7 @@ class Session:
         failed_at = 0.0
         while True:
             running = 0
+            self._check_space()
             if self.write_error is not None:  # the disk is full: stop now rather than lose output silently
                 self._terminate_nodes()
                 return Outcome(
@@ -477,6 +474,22 @@ class Session:
             )
         return Outcome(code if code > 0 else 128 - code, self._failure_summary(index, code), self.run.path)
 
+    def _check_space(self) -> None:
+        """A run directory with no room left is a write error even before the session writes: the ranks'
+        own output files (``ranks/``) fill it too, and a program that survives its failed writes would
+        otherwise end "successfully" with its output lost."""
+        now = time.monotonic()
+        if now < self._space_checked + SPACE_CHECK_S:
+            return
+        self._space_checked = now
+        try:
+            st = os.statvfs(self.run.path)
+        except OSError:
+            return
+        free = st.f_bfree if os.geteuid() == 0 else st.f_bavail  # root may write into the reserved blocks
+        if free * st.f_frsize < MIN_FREE_BYTES and self.write_error is None:
+            self.write_error = f"{self.run.ranks}: {os.strerror(errno.ENOSPC)}"
+
     def _report_hangs(self) -> str | None:
         """Diagnose every hang the daemon reported since the last call; return a summary of the first."""
         summary = None
@@ -488,7 +501,7 @@ class Session:
             label = self.state.comm_label(finding.comm)
             d = diagnosis.diagnose(
                 finding, dict(self.state.rank_pids), dict(self.state.last_output), self.run.ranks, self.run.session,
-                label,
+                label, dict(self.rank_hosts), None if self.hosts is None else self.hosts.remote_stacks,
             )
             try:
                 path = diagnosis.write(d, self.run.path)
@@ -503,6 +516,9 @@ class Session:
                 text = f"{diagnosis.render(d)}\n  (the report and Flight Recorder dumps could not be saved: {why})"
             self.emit(s.HangReport(comm=finding.comm, seq=finding.seq, text=text, path=path))
             missing = ", ".join(map(str, finding.missing))
+            if self.hosts is not None:  # several hosts: say where the missing ones run
+                missing = ", ".join(f"{r} on {self.rank_hosts[r]}" if self.rank_hosts.get(r) else str(r)
+                                    for r in finding.missing)
             what = (f"world formation (init_process_group) of {finding.comm}" if finding.kind is s.HangKind.WORLD
                     else f"collective #{finding.seq} ({finding.op.name}) of {label}")
             summary = summary or f"hang in {what}: missing ranks {{{missing}}}; report: {path}"
@@ -512,6 +528,12 @@ class Session:
         how = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
         launched = self.procs[index]
         node, pid = launched.node, launched.proc.pid
+        if isinstance(launched.proc, RemoteProcess) and launched.proc.agent.lost:
+            agent = launched.proc.agent
+            ranks = ", ".join(map(str, sorted(agent.ranks))) or "none registered yet"
+            nodes = ", ".join(map(str, agent.nodes))
+            return (f"host {agent.host} was lost ({agent.lost}); it ran node(s) {nodes}, ranks {{{ranks}}}; "
+                    f"its output up to then is in {self.run.path}/rank-*.log")
         # with direct launch the node process is the rank itself; with --nproc-per-node mirage knows its rank
         who = next((f"rank {r}" for r, p in self.state.rank_pids.items() if p == pid), f"node {node}")
         if launched.rank is not None:
@@ -559,22 +581,22 @@ class Session:
 
     def _terminate_nodes(self) -> None:
         self._tearing_down = True
-        for proc in (launched.proc for launched in self.procs):
-            # the group too when its leader is gone: a dead torchrun agent leaves workers
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+        for launched in self.procs:
+            launched.signal(signal.SIGTERM)
         deadline = time.monotonic() + TERM_GRACE_S
-        for proc in (launched.proc for launched in self.procs):
+        for launched in self.procs:
+            proc = launched.proc
             try:
                 proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                launched.signal(signal.SIGKILL)
+                if not isinstance(proc, RemoteProcess):
+                    proc.wait()
+                    continue
                 try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait()
+                    proc.wait(ap.SILENCE_S)  # another host's answer comes over the network
+                except subprocess.TimeoutExpired:
+                    proc.ended(proc.pid, -signal.SIGKILL)
         for i in range(len(self.procs)):
             self._note_exit(i)
 
@@ -596,8 +618,10 @@ class Session:
                 pass
 
     def stop(self) -> None:
-        """Tear down: nodes, then the daemon, then stragglers; flush the journal."""
+        """Tear down: nodes, then the hosts' agents, then the daemon, then stragglers; flush the journal."""
         self._terminate_nodes()
+        if self.hosts is not None:
+            self.hosts.finish()
         if self.daemon is not None and self.daemon.poll() is None:
             self.daemon.terminate()
             try:
@@ -657,10 +681,11 @@ class Session:
             except OSError as err:  # a full disk: already the run's outcome, or too late to change it
                 self._write_failed(path, err)
         self._ctx.destroy(linger=0)
-        try:
-            os.unlink(self.run.token_file)  # the token is useless once the daemon is gone
-        except OSError:
-            pass
+        for secret in (self.run.token_file, self._secret_file):  # useless once the daemon is gone
+            try:
+                os.unlink(secret)
+            except OSError:
+                pass
         for node in range(self.topology.num_nodes):  # they hold the token too
             try:
                 os.unlink(sessions.node_env_path(self.run.path, node))

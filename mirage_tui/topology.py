@@ -52,6 +52,13 @@ class ExecMode(str, Enum):
     CLOCKED = "clocked"
 
 
+class Launcher(str, Enum):
+    """Who starts the emulated nodes: mirage on this machine, or Slurm on the hosts of an allocation."""
+
+    LOCAL = "local"
+    SLURM = "slurm"
+
+
 class UsageError(Exception):
     """A mistake in how mirage was called; the message is one line."""
 
@@ -83,6 +90,8 @@ class Topology:
     workdir: str | None = None  # --workdir: the folder the command runs in (default: mirage's own)
     clear_env: bool = False  # --clear-env-vars: the command starts from an almost empty environment
     debug_rank: int | None = None  # --debug-rank: this global rank waits for a debugger before its program runs
+    # --launcher slurm: the nodes run on the hosts of the Slurm allocation, num_nodes / hosts on each
+    launcher: Launcher = Launcher.LOCAL
 
     @property
     def world_gpus(self) -> int:
@@ -206,10 +215,32 @@ def check_combination(topology: Topology) -> None:
     if topology.in_process and topology.exec_mode is ExecMode.CLOCKED:
         raise UsageError("--exec-mode clocked needs the daemon, which keeps the emulated clock across ranks, "
                          "and --in-process has none; drop one of the two")
+    if topology.launcher is Launcher.SLURM:
+        if topology.in_process:
+            raise UsageError("--launcher slurm runs nodes on other hosts, and --in-process runs one process here; "
+                             "drop one of the two")
+        if topology.debug_rank is not None:
+            raise UsageError("--debug-rank listens on the rank's loopback, out of reach on another host; "
+                             "drop it with --launcher slurm")
+        hosts = slurm_hosts()
+        if topology.num_nodes % hosts:
+            raise UsageError(f"--num-nodes {topology.num_nodes} cannot be spread evenly over the allocation's "
+                             f"{hosts} hosts; give a multiple of {hosts}")
     if topology.report:
         folder = os.path.dirname(os.path.abspath(topology.report))
         if os.path.isdir(topology.report) or not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
             raise UsageError(f"--report {topology.report}: cannot write a file there; pick a file in a writable folder")
+
+
+def slurm_hosts() -> int:
+    """How many hosts the Slurm allocation this runs in has; :class:`UsageError` outside one."""
+    if not os.environ.get("SLURM_JOB_ID"):
+        raise UsageError("--launcher slurm runs inside a Slurm allocation (SLURM_JOB_ID is not set): "
+                         "run it under salloc or in an sbatch script")
+    nodes = os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or ""
+    if not nodes.isdigit() or int(nodes) < 1:
+        raise UsageError(f"--launcher slurm: SLURM_JOB_NUM_NODES is {nodes!r}, not a number of hosts")
+    return int(nodes)
 
 
 def check_command(topology: Topology) -> None:

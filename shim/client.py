@@ -47,6 +47,15 @@ def _pid_gone(pid: int) -> bool:
         return False
 
 
+def curve_client(sock: zmq.Socket, server_key: str) -> None:
+    """Make ``sock`` a CURVE client of the server whose public key is ``server_key`` (Z85), with a key pair
+    of its own; the token it sends is then never in clear on the network."""
+    if not server_key:
+        raise DaemonGone("mirage: MIRAGE_SERVER_KEY is not set; a daemon over TCP needs its public key")
+    sock.curve_serverkey = server_key.encode()
+    sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+
+
 def _connect_fast(endpoint: str) -> socket.socket | None:
     """The daemon's fast socket (``schema.FAST_SOCKET``, next to its ``ipc://`` endpoint), or None."""
     if not endpoint.startswith("ipc://"):
@@ -84,6 +93,8 @@ class DaemonClient:
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        if endpoint.startswith("tcp://"):  # a daemon on another host: CURVE, as it listens (emulator.daemon)
+            curve_client(self._sock, os.environ.get("MIRAGE_SERVER_KEY", ""))
         self._sock.connect(endpoint)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()

@@ -23,6 +23,12 @@ def enabled() -> bool:
     return os.environ.get("NCCL_DEBUG", "").upper() in ("INFO", "TRACE")
 
 
+def _interface() -> str:
+    """``name:address`` of the interface the rank's host uses: loopback on one machine, the one a multi-host
+    run's agent chose (``NCCL_SOCKET_IFNAME``) on several."""
+    return os.environ.get("MIRAGE_SOCKET_IF", "lo:127.0.0.1")
+
+
 def net_only() -> bool:
     """P2P and SHM both disabled: RCCL connects even ranks of one host over the network."""
     return os.environ.get("NCCL_P2P_DISABLE") == "1" and os.environ.get("NCCL_SHM_DISABLE") == "1"
@@ -53,7 +59,7 @@ def print_init(comm: str, rank: int, devices: list[int], hosts: list[str]) -> No
     if not _version_printed:
         _version_printed = True
         lines.append(f"{prefix} RCCL version {version}+hip6.4 (emulated by mirage)")
-        lines.append(f"{prefix} Bootstrap : Using lo:127.0.0.1<0>")
+        lines.append(f"{prefix} Bootstrap : Using {_interface()}<0>")
         for var in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_SOCKET_IFNAME"):
             if var in os.environ:
                 lines.append(f"{prefix} {var} set by environment to {os.environ[var]}")
@@ -61,7 +67,7 @@ def print_init(comm: str, rank: int, devices: list[int], hosts: list[str]) -> No
     peer = (rank + 1) % size
     via = transport(hosts[rank], hosts[peer])
     if net_only() or len(set(hosts)) > 1:  # the communicator has network connections
-        lines.append(f"{prefix} NET/Socket : Using [0]lo:127.0.0.1<0>")
+        lines.append(f"{prefix} NET/Socket : Using [0]{_interface()}<0>")
     if size > 1:
         lines.append(f"{prefix} Channel 00/0 : {rank}[{dev}] -> {peer}[{devices[peer]}] via {via}")
     lines.append(f"{prefix} Connected all rings")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 
 #: The rank this process claimed: at start-up ($RANK, else 0; ``shim.bootstrap``), or when it
 #: formed a world of its own (``shim.world``); None for a descendant of a rank that has not.
@@ -18,5 +19,5 @@ def register_rank(rank: int) -> None:
     from shim.client import client
 
     node = int(os.environ.get("MIRAGE_NODE_RANK", "0"))
-    client().request(Hello(rank=rank, node=node, pid=os.getpid()))
+    client().request(Hello(rank=rank, node=node, pid=os.getpid(), host=socket.gethostname()))
     memory.start_reporter(rank, node)

@@ -413,12 +413,13 @@ class DirectTransport(Transport):
 def data_path(store: dist.Store, comm: str, rank: int, size: int, host: str) -> str:
     """The communicator's data path, chosen as RCCL chooses its transport (see ``nccl_debug``).
 
-    ``"socket"`` (NET/Socket: ZeroMQ frames) with P2P and SHM both disabled, or
-    when a member runs on another emulated node; else ``"shm"``. Only a
+    ``"socket"`` (NET/Socket: ZeroMQ frames) with P2P and SHM both disabled,
+    when a member runs on another emulated node, or when the daemon is on another
+    host (reached over TCP: no memory to share with it); else ``"shm"``. Only a
     multi-node run has to ask where the members are: each rank writes its host
     to the store and reads everyone's, as NCCL's bootstrap all-gathers them.
     """
-    if nccl_debug.net_only():
+    if nccl_debug.net_only() or not os.environ.get("MIRAGE_ENDPOINT", "ipc://").startswith("ipc://"):
         return "socket"
     if size == 1 or int(os.environ.get("MIRAGE_NUM_NODES", "1") or "1") <= 1:
         return "shm"

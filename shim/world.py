@@ -19,6 +19,7 @@ import functools
 import inspect
 import itertools
 import os
+import socket
 import sys
 from urllib.parse import parse_qs, urlparse
 
@@ -63,6 +64,7 @@ def install() -> None:
         from shim.client import client
 
         note = functools.partial(s.WorldFormation, world=world, rank=rank, size=size, pid=os.getpid(),
+                                 host=socket.gethostname(),
                                  site=call_site())
         client().request(note(phase=s.WorldPhase.JOINING))
         try:

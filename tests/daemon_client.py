@@ -306,7 +306,8 @@ class Group:
 class DaemonProcess:
     """A daemon subprocess in a private 0700 run directory."""
 
-    def __init__(self, gpus_per_node: int = 4, hang_timeout_s: float = 30.0):
+    def __init__(self, gpus_per_node: int = 4, hang_timeout_s: float = 30.0, listen: str = ""):
+        """``listen``: an address the daemon also takes ranks on over TCP (CURVE; ``server_key`` is its public key)."""
         self.session = secrets.token_hex(4)
         self.token = secrets.token_hex(16)
         # short path: ipc:// endpoints must fit in a unix socket address
@@ -323,11 +324,20 @@ class DaemonProcess:
         self.groups: list[Group] = []
         self._arenas: list[Arena] = []
         self._clients: list[Client] = []
+        tcp = []
+        if listen:
+            public, secret = zmq.curve_keypair()
+            self.server_key = public.decode()
+            key_file = os.path.join(self.run_dir, "curve.secret")
+            fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(secret)
+            tcp = ["--listen", listen, "--curve-secret-file", key_file]
         self.proc = subprocess.Popen(
             [
                 sys.executable, "-m", "emulator", "--run-dir", self.run_dir, "--session", self.session,
                 "--token-file", self.token_file, "--profile", "mi350x", "--nodes", "1",
-                "--gpus-per-node", str(gpus_per_node), "--hang-timeout", str(hang_timeout_s),
+                "--gpus-per-node", str(gpus_per_node), "--hang-timeout", str(hang_timeout_s), *tcp,
             ],
             cwd=REPO_ROOT,
             stdin=subprocess.DEVNULL,

@@ -89,9 +89,9 @@ def test_a_rank_stopped_in_its_debugger_is_not_hung_and_its_wait_counts_from_whe
 
 def test_a_world_waiting_for_a_rank_in_its_debugger_is_not_hung():
     worlds, det = Worlds(), HangDetector(timeout_s=1.0)
-    worlds.record(WorldFormation(world="env://h:1 #1", rank=0, size=2, pid=10), alive=lambda p: True)
+    worlds.record(WorldFormation(world="env://h:1 #1", rank=0, size=2, pid=10), alive=lambda p, h: True)
     det.debugger(1, stopped=True)  # stopped before its program ran: it never reached init_process_group
-    assert det.scan_worlds(worlds, alive=lambda p: True, now=1e9) == []
+    assert det.scan_worlds(worlds, alive=lambda p, h: True, now=1e9) == []
     det.debugger(1, stopped=False, now=1e9)
-    (h,) = det.scan_worlds(worlds, alive=lambda p: True, now=1e9 + 1)
+    (h,) = det.scan_worlds(worlds, alive=lambda p, h: True, now=1e9 + 1)
     assert h.missing == [1]

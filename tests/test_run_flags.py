@@ -21,7 +21,7 @@ import time
 import pytest
 
 from mirage_tui.cli import tui_main
-from mirage_tui.session import Session
+from mirage_tui.launch_env import RankEnvironment, node_env
 from mirage_tui.topology import CLEARED_ENV_KEEPS, Topology
 from test_cli_usage import mirage
 from test_run import FIXTURES, REPO_ROOT, events, interrupt_when_sleeping, mirage_run, run_dir
@@ -149,11 +149,9 @@ def test_clear_env_keeps_only_the_documented_variables(tmp_path, monkeypatch):
     monkeypatch.setenv("LC_TIME", "C")
     monkeypatch.setenv("SECRET_TOKEN", "x")
     monkeypatch.setenv("MIRAGE_RANK_PID", "1")
-    session = Session.__new__(Session)  # only node_env is exercised: no run directory, no daemon
-    session.topology = Topology(clear_env=True, command=("python",), env=(("A", "1"),))
-    session.daemon = None
-    session.run = type("Run", (), {"session": "abcd", "path": str(tmp_path), "token": "t"})()
-    env = session.node_env(0, 1234)
+    where = RankEnvironment(Topology(clear_env=True, command=("python",), env=(("A", "1"),)), session="abcd",
+                            run_dir=str(tmp_path), token="t", endpoint=f"ipc://{tmp_path}/rpc.sock")
+    env = node_env(where, 0, 1234)
     assert env["LC_TIME"] == "C" and env["A"] == "1" and env["PATH"] == os.environ["PATH"]
     assert "SECRET_TOKEN" not in env and env["MIRAGE_SESSION"] == "abcd"
     assert "MIRAGE_RANK_PID" not in env

@@ -104,20 +104,20 @@ def test_a_wrong_world_size_is_reported_as_a_world_hang(tmp_path):
 
 def _join(worlds: Worlds, rank: int, pid: int, phase=WorldPhase.JOINING, world="env://h:1 #1", size=2):
     worlds.record(WorldFormation(world=world, rank=rank, size=size, pid=pid, site=f"s{rank}", phase=phase),
-                  alive=lambda p: p > 0)
+                  alive=lambda p, h: p > 0)
 
 
 def test_a_world_hangs_only_while_a_live_rank_waits_for_missing_ones():
     worlds, detector = Worlds(), HangDetector(timeout_s=1.0)
     _join(worlds, 0, pid=10)
-    assert detector.scan_worlds(worlds, alive=lambda p: p > 0) == []  # not yet past the timeout
-    (hang,) = detector.scan_worlds(worlds, alive=lambda p: p > 0, now=worlds.worlds["env://h:1 #1"].arrived[0].at + 1)
+    assert detector.scan_worlds(worlds, alive=lambda p, h: p > 0) == []  # not yet past the timeout
+    (hang,) = detector.scan_worlds(worlds, alive=lambda p, h: p > 0, now=worlds.worlds["env://h:1 #1"].arrived[0].at + 1)
     assert (hang.kind, hang.joined, hang.sites, hang.missing, hang.size) == (HangKind.WORLD, [0], ["s0"], [1], 2)
-    assert detector.scan_worlds(worlds, alive=lambda p: p > 0, now=1e12) == []  # once
+    assert detector.scan_worlds(worlds, alive=lambda p, h: p > 0, now=1e12) == []  # once
 
     worlds, detector = Worlds(), HangDetector(timeout_s=1.0)
     _join(worlds, 0, pid=-1)  # the waiting rank died: nobody waits
-    assert detector.scan_worlds(worlds, alive=lambda p: p > 0, now=1e12) == []
+    assert detector.scan_worlds(worlds, alive=lambda p, h: p > 0, now=1e12) == []
 
 
 def test_a_formed_world_leaves_the_books_and_its_name_can_form_again():

@@ -397,6 +397,11 @@ class Cluster:
 
     def _write_conf(self):
         d = self.dir
+        # the cluster's names, as a real cluster's DNS gives them (torchrun's c10d rendezvous resolves
+        # its own hostname to decide whether it hosts the store)
+        names = ["127.0.0.1 localhost", f"{self.head_addr} head", *(f"{a} {n}" for n, a in self.addr.items())]
+        (d / "hosts").write_text("\n".join(names) + "\n")
+        (d / "hosts").chmod(0o644)
         for node in self.nodes:
             (d / node).mkdir(mode=0o755)
         (d / "ctld").mkdir(mode=0o755)
@@ -458,10 +463,11 @@ class Cluster:
         mnt = self.dir / "cgroup"  # a mount point used only inside the private mount namespace
         mnt.mkdir(exist_ok=True)
         script = ('mount --rbind /sys/fs/cgroup "$1" && mount -t sysfs "$2" /sys && '
-                  'mount --move "$1" /sys/fs/cgroup && hostname "$2" && shift 2 && exec "$@"')
+                  'mount --move "$1" /sys/fs/cgroup && mount --bind "$3" /etc/hosts && hostname "$2" && '
+                  'shift 3 && exec "$@"')
         # nsenter, unshare and sh each exec the next: the pid stays the daemon's
         return ["nsenter", f"--net=/run/netns/{ns}", "unshare", "--mount", "--uts", "--propagation", "private",
-                "--", "sh", "-c", script, "sh", str(mnt), hostname, *args]
+                "--", "sh", "-c", script, "sh", str(mnt), hostname, str(self.dir / "hosts"), *args]
 
     def _slurmctld(self):
         self._spawn(self._in_ns(self.head_ns, "head", ["slurmctld", "-D", "-i", "-f", str(self.conf)]),

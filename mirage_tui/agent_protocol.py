@@ -1,0 +1,220 @@
+"""What the session and a host's agent say to each other in a multi-host run (``--launcher slurm``).
+
+The head's session binds one ZeroMQ ROUTER on TCP (CURVE: the agents know its
+public key, so no other process can pose as the head and have them start
+programs); each host's agent (:mod:`mirage_tui.node_agent`) connects a DEALER.
+The agent's first message, :class:`AgentHello`, carries the session token; the
+session ignores a connection until it has presented it. Messages are JSON
+objects with a ``type``; output lines travel in the daemon's own event encoding
+(:func:`emulator.schema.encode`), so the session records them as it does its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+#: every message class by its ``type``
+TYPES: dict[str, type[AgentMessage]] = {}
+#: The head sends a Heartbeat this often, and each agent too.
+HEARTBEAT_S = 0.5
+#: A peer silent this long is gone: the agent stops its programs, the session ends the run naming the host.
+SILENCE_S = 5.0
+
+
+class ProtocolError(ValueError):
+    """A message that is not one of this module's, or whose fields have the wrong types."""
+
+
+@dataclass(frozen=True)
+class AgentMessage:
+    TYPE: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        if cls.__dict__.get("TYPE"):
+            TYPES[cls.TYPE] = cls
+
+
+# ---------------------------------------------------------------- agent -> session
+
+
+@dataclass(frozen=True)
+class AgentHello(AgentMessage):
+    """An agent is up on ``host`` (Slurm's node ``slurm_node``); ``address`` is its interface's address,
+    ``master_port`` a free port there (torchrun's rendezvous when it hosts node 0)."""
+
+    TYPE: ClassVar[str] = "hello"
+    token: str = ""
+    host: str = ""
+    address: str = ""
+    slurm_node: int = 0
+    pid: int = 0
+    master_port: int = 0
+
+
+@dataclass(frozen=True)
+class Output(AgentMessage):
+    """Output lines of the host's ranks and node processes, each an encoded ``OutputLine`` event."""
+
+    TYPE: ClassVar[str] = "output"
+    lines: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Exited(AgentMessage):
+    """Process ``index`` of the host's :class:`Launch` (pid ``pid``) ended with ``returncode``."""
+
+    TYPE: ClassVar[str] = "exited"
+    index: int = 0
+    pid: int = 0
+    returncode: int = 0
+
+
+@dataclass(frozen=True)
+class RankGone(AgentMessage):
+    """A rank process the session asked the agent to :class:`Watch` is gone."""
+
+    TYPE: ClassVar[str] = "rank_gone"
+    rank: int = 0
+    pid: int = 0
+
+
+@dataclass(frozen=True)
+class Stacks(AgentMessage):
+    """The answer to :class:`DumpStacks` ``req``: per rank, ``[process status, stacks]``."""
+
+    TYPE: ClassVar[str] = "stacks"
+    req: int = 0
+    ranks: dict[str, list[str]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Finished(AgentMessage):
+    """Every process the agent started has ended and its output was sent."""
+
+    TYPE: ClassVar[str] = "finished"
+
+
+# ---------------------------------------------------------------- session -> agent
+
+
+@dataclass(frozen=True)
+class Process:
+    """One process to start: node ``node``'s command, or (``--nproc-per-node``) its rank ``rank``."""
+
+    node: int
+    rank: int | None
+    env: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Launch(AgentMessage):
+    """Start ``processes`` (each runs ``command`` in ``workdir``)."""
+
+    TYPE: ClassVar[str] = "launch"
+    command: list[str] = field(default_factory=list)
+    workdir: str = ""
+    processes: list[Process] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Watch(AgentMessage):
+    """Rank ``rank`` registered as process ``pid`` on the agent's host: tell the session when it is gone."""
+
+    TYPE: ClassVar[str] = "watch"
+    rank: int = 0
+    pid: int = 0
+
+
+@dataclass(frozen=True)
+class Kill(AgentMessage):
+    """Send ``signal`` to launched process ``index``'s process group (``-1``: every one)."""
+
+    TYPE: ClassVar[str] = "kill"
+    index: int = -1
+    signal: int = 15
+
+
+@dataclass(frozen=True)
+class DumpStacks(AgentMessage):
+    """Signal these ranks (rank -> pid) for their Python stacks; answer with :class:`Stacks`."""
+
+    TYPE: ClassVar[str] = "dump_stacks"
+    req: int = 0
+    ranks: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Done(AgentMessage):
+    """The run is over: stop whatever still runs, and exit."""
+
+    TYPE: ClassVar[str] = "done"
+
+
+# ---------------------------------------------------------------- both ways
+
+
+@dataclass(frozen=True)
+class Heartbeat(AgentMessage):
+    TYPE: ClassVar[str] = "heartbeat"
+
+
+def encode(msg: AgentMessage) -> bytes:
+    """``msg`` as one JSON frame."""
+    return json.dumps({"type": msg.TYPE, **dataclasses.asdict(msg)}, separators=(",", ":")).encode()
+
+
+def decode(data: bytes) -> AgentMessage:
+    """The message in ``data``; raise :class:`ProtocolError` if it is not a well-formed one."""
+    try:
+        obj = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ProtocolError(f"not JSON: {e}") from None
+    if not isinstance(obj, dict) or obj.get("type") not in TYPES:
+        raise ProtocolError("not an agent message")
+    cls = TYPES[obj.pop("type")]
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    if set(obj) - set(names):
+        raise ProtocolError(f"unknown fields {sorted(set(obj) - set(names))} in {cls.TYPE!r}")
+    if cls is Launch and "processes" in obj:
+        obj["processes"] = [_process(p) for p in _typed(obj["processes"], list, "processes")]
+    for name, value in obj.items():
+        _check(cls.TYPE, name, value, names[name].type)
+    return cls(**obj)
+
+
+def _process(p: Any) -> Process:
+    p = _typed(p, dict, "process")
+    rank = p.get("rank")
+    if not isinstance(p.get("node"), int) or not (rank is None or isinstance(rank, int)):
+        raise ProtocolError("a process needs an int node and an int or null rank")
+    env = _typed(p.get("env"), dict, "env")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise ProtocolError("env must map strings to strings")
+    return Process(p["node"], rank, env)
+
+
+def _typed(value: Any, kind: type, what: str):
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
+        raise ProtocolError(f"{what} must be a {kind.__name__}")
+    return value
+
+
+def _check(kind: str, name: str, value: Any, annotation: str) -> None:
+    """Check a field's JSON value against its annotation (the few shapes used above)."""
+    base = annotation.split("[", 1)[0]
+    expected = {"str": str, "int": int, "list": list, "dict": dict}.get(base)
+    if expected is not None:
+        _typed(value, expected, f"{kind}.{name}")
+    if annotation == "list[str]" and not all(isinstance(v, str) for v in value):
+        raise ProtocolError(f"{kind}.{name} must be a list of strings")
+    if annotation.startswith("dict[str, ") and not all(isinstance(k, str) for k in value):
+        raise ProtocolError(f"{kind}.{name} must have string keys")
+    if annotation == "dict[str, int]" and not all(isinstance(v, int) for v in value.values()):
+        raise ProtocolError(f"{kind}.{name} must map to ints")
+    if annotation == "dict[str, list[str]]" and not all(
+            isinstance(v, list) and all(isinstance(x, str) for x in v) for v in value.values()):
+        raise ProtocolError(f"{kind}.{name} must map to lists of strings")

@@ -1,0 +1,185 @@
+"""mirage over several hosts: ``mirage run --launcher slurm`` inside an allocation of the namespace cluster.
+
+Each test runs mirage as a user would on a login node (the head namespace, which is
+not one of the allocation's hosts): ``salloc -N 2`` then ``mirage run --launcher slurm``,
+which starts one agent per host with srun. The ranks on h1 and h2 reach the head's
+daemon over TCP (CURVE), their output, stacks and ends reach the head's session.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cluster import Cluster, namespace_pids
+
+pytestmark = pytest.mark.multihost
+
+REPO = Path(__file__).resolve().parents[2]
+VENV_BIN = Path(sys.executable).parent
+DDP = REPO / "tests" / "fixtures" / "ml" / "ddp_mlp.py"
+ENV = {"PATH": f"{VENV_BIN}:{os.environ.get('PATH', '')}"}
+LOSS = re.compile(r"loss: (\S+) -> (\S+) over")
+
+
+def _mirage(log_dir: Path, *args: str, env: str = "") -> str:
+    """The salloc script that runs ``mirage run --launcher slurm`` over both hosts."""
+    return (f"cd {REPO} && {env} mirage run --launcher slurm --log-dir {log_dir} "
+            f"--gpus-per-node 2 {' '.join(args)}")
+
+
+def _run_dir(log_dir: Path) -> Path:
+    (run,) = [p for p in log_dir.iterdir() if p.is_dir()]
+    return run
+
+
+def _events(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines() if line.endswith("}")]
+
+
+def _ours_left(c: Cluster, session: str) -> list[str]:
+    """Processes of this run still alive in any of the cluster's namespaces."""
+    left = []
+    for ns in [c.head_ns, *c.ns.values()]:
+        for pid in namespace_pids(ns):
+            try:
+                env = Path(f"/proc/{pid}/environ").read_bytes()
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if f"MIRAGE_SESSION={session}".encode() in env.split(b"\0"):
+                left.append(f"{ns}: {pid} {cmd}")
+    return left
+
+
+@pytest.fixture(scope="module")
+def gloo_loss():
+    """The loss line of the same program on 4 CPU ranks with gloo (torchrun, no mirage)."""
+    env = dict(os.environ, DDP_MLP_BACKEND="gloo", DDP_MLP_DEVICE="cpu", OMP_NUM_THREADS="1")
+    r = subprocess.run([str(VENV_BIN / "torchrun"), "--standalone", "--nproc_per_node=4", str(DDP)],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return LOSS.search(r.stdout).groups()
+
+
+def test_ddp_over_two_hosts_matches_gloo(cluster, tmp_path, gloo_loss):
+    r = cluster.salloc(_mirage(tmp_path, "--nproc-per-node 2", "--", "python", str(DDP)), nodes=2,
+                       timeout=300, env=ENV)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-6000:]
+    assert "all ranks converged with identical replicas" in out and "ddp_mlp_ok" in out
+    assert LOSS.search(out).groups() == gloo_loss  # what 4 CPU ranks with gloo compute, to the digit
+    run = _run_dir(tmp_path)
+    events = _events(run)
+    hosts = {e["rank"]: e["host"] for e in events if e["type"] == "rank_registered"}
+    assert hosts == {0: "h1", 1: "h1", 2: "h2", 3: "h2"}
+    transports = {e["transport"] for e in events if e["type"] == "comm_joined"}
+    assert transports == {"socket"}  # NET/Socket to the head's daemon, over TCP
+    session = json.loads((run / "session.json").read_text())["session"]
+    for rank, host in hosts.items():
+        assert "training on cuda" in (run / f"rank-{rank}.log").read_text()
+        # each host keeps its ranks' own files too
+        assert Path(f"/tmp/mirage-{os.getuid()}/agent-{session}-{host}/ranks/rank-{rank}.stdout").exists()
+    assert not (run / "curve.secret").exists() and not (run / "token").exists()
+    assert _ours_left(cluster, session) == []
+
+
+def test_torchrun_rendezvous_crosses_hosts(cluster, tmp_path, gloo_loss):
+    # a Slurm user's line: torchrun on each host, c10d rendezvous at the first host (MASTER_ADDR)
+    torchrun = (f"torchrun --nnodes 2 --nproc_per_node 2 --rdzv-backend c10d --rdzv-id mirage "
+                f"--rdzv-endpoint $MASTER_ADDR:$MASTER_PORT {DDP}")
+    r = cluster.salloc(_mirage(tmp_path, "--", "bash", "-c", f"'{torchrun}'"), nodes=2, timeout=300, env=ENV)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-6000:]
+    assert "ddp_mlp_ok" in out and LOSS.search(out).groups() == gloo_loss
+    hosts = {e["rank"]: e["host"] for e in _events(_run_dir(tmp_path)) if e["type"] == "rank_registered"}
+    assert sorted(hosts) == [0, 1, 2, 3] and set(hosts.values()) == {"h1", "h2"}
+
+
+def test_a_hang_on_host_2_is_reported_from_the_head(cluster, tmp_path):
+    r = cluster.salloc(_mirage(tmp_path, "--nproc-per-node 2", "--hang-timeout 3",
+                               "--inject rank=3,seq=5,action=hang", "--", "python", str(DDP)),
+                       nodes=2, timeout=300, env=ENV)
+    out = r.stdout + r.stderr
+    assert r.returncode == 124, out[-6000:]
+    assert "missing ranks {3 on h2}" in out
+    assert re.search(r"process \d+ on h2: sleeping", out), out[-6000:]
+    assert re.search(rf'now at: File "{re.escape(str(DDP))}", line \d+ in main', out), out[-6000:]
+    (report,) = json.loads((_run_dir(tmp_path) / "hang-report.json").read_text())
+    assert report["ranks"]["3"]["host"] == "h2" and "ddp_mlp.py" in report["ranks"]["3"]["stacks"]
+    session = json.loads((_run_dir(tmp_path) / "session.json").read_text())["session"]
+    assert _ours_left(cluster, session) == []
+
+
+def test_a_killed_host_ends_the_run_naming_it(multihost_ready, tmp_path):
+    with Cluster(2) as c:
+        job = c.popen(["salloc", "-N", "2", "bash", "-c",
+                       _mirage(tmp_path, "--nproc-per-node 2", "--", "python", str(DDP), env="STEPS=1000000")],
+                      env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:  # every rank registered and training
+                runs = [p for p in tmp_path.iterdir() if p.is_dir()] if tmp_path.exists() else []
+                if runs and (runs[0] / "events.jsonl").exists():
+                    events = _events(runs[0])
+                    if sum(e["type"] == "coll_completed" for e in events) > 20:
+                        break
+                time.sleep(0.2)
+            else:
+                pytest.fail(f"the run did not get going on both hosts\n{c.diagnostics()}")
+            session = json.loads((runs[0] / "session.json").read_text())["session"]
+            c.kill_host("h2")
+            killed = time.monotonic()
+            out, err = job.communicate(timeout=60)
+            took = time.monotonic() - killed
+        finally:
+            if job.poll() is None:
+                job.kill()
+        assert job.returncode != 0
+        assert took < 15, f"the run took {took:.1f} s to end after its host died"
+        assert "host h2 was lost" in err and "ranks {2, 3}" in err, err[-4000:]
+        run = _run_dir(tmp_path)
+        lost = [e for e in _events(run) if e["type"] == "host_lost"]
+        assert [(e["host"], e["nodes"], e["ranks"]) for e in lost] == [("h2", [1], [2, 3])]
+        report = json.loads((run / "report.json").read_text())
+        assert report["returncode"] == job.returncode and "host h2 was lost" in report["summary"]
+        assert _ours_left(c, session) == []  # nothing of the run on h1 or the head
+        for rank in (0, 1):  # the surviving host's logs are kept
+            assert Path(f"/tmp/mirage-{os.getuid()}/agent-{session}-h1/ranks/rank-{rank}.stdout").exists()
+            assert "training on cuda" in (run / f"rank-{rank}.log").read_text()
+        print(f"killed host: the run ended {took:.1f} s after h2 died")
+
+
+def test_ctrl_c_on_the_head_stops_every_host(cluster, tmp_path):
+    job = cluster.popen(["salloc", "-N", "2", "bash", "-c",
+                         _mirage(tmp_path, "--nproc-per-node 2", "--", "python", str(DDP), env="STEPS=1000000")],
+                        env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        mirage = None
+        while time.monotonic() < deadline:
+            runs = [p for p in tmp_path.iterdir() if p.is_dir()] if tmp_path.exists() else []
+            if runs and (runs[0] / "events.jsonl").exists() and sum(
+                    e["type"] == "coll_completed" for e in _events(runs[0])) > 20:
+                session = json.loads((runs[0] / "session.json").read_text())
+                mirage = session["pid"]
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail(f"the run did not get going on both hosts\n{cluster.diagnostics()}")
+        os.kill(mirage, signal.SIGINT)  # what Ctrl-C in mirage's terminal sends it
+        stopped = time.monotonic()
+        out, err = job.communicate(timeout=60)
+        took = time.monotonic() - stopped
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert "exit 130" in err, err[-3000:]
+    assert _ours_left(cluster, session["session"]) == []
+    print(f"Ctrl-C: every host stopped within {took:.1f} s")
