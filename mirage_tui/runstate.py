@@ -407,6 +407,13 @@ class RunState:
                 return "in collective"
         return "running"
 
+    def node_host(self, node: int) -> str:
+        """The host node ``node``'s ranks registered from, when the run spans several hosts; else ""."""
+        hosts = {r.host for r in self.ranks.values() if r.host}
+        if len(hosts) < 2:
+            return ""
+        return next((r.host for r in self.ranks.values() if r.node == node and r.host), "")
+
     def node_state(self, node: int) -> str:
         """``exit N`` once its process ended, ``starting`` until one of its ranks registers, else empty."""
         code = self.node_exits.get(node)

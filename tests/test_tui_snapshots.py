@@ -26,6 +26,7 @@ from mirage_tui.topology import Topology  # noqa: E402
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RECORDED_RUN = "tests/fixtures/runs/ddp-2gpu"  # relative: the snapshot shows the path as given
 RECORDED_HANG = "tests/fixtures/runs/hang-2gpu"
+RECORDED_HANG_2HOST = "tests/fixtures/runs/hang-2host"
 RECORDED_32 = "tests/fixtures/runs/allreduce-32gpu"
 CLOCKED = "tests/fixtures/runs/clocked-4gpu"  # made by tests/clocked_events.py: a known slow rank
 SIZE = (140, 45)
@@ -91,6 +92,17 @@ def test_hang_stacks_screen(snap_compare):
     # the alert's key: the stacks the session took at the hang, the missing rank's first
     app = _app(recording=replay.load(RECORDED_HANG), speed=0)
     assert snap_compare(app, terminal_size=SIZE, run_before=lambda pilot: _back_to_the_run(pilot, "h"))
+
+
+def test_run_screen_of_a_hang_over_two_hosts(snap_compare):
+    """A --launcher slurm run: each node says which host it ran on, the alert which rank is missing."""
+    async def to_the_hang_alert(pilot) -> None:
+        await _back_to_the_run(pilot)
+        pilot.app.screen.query_one("#alerts").scroll_home(animate=False)
+        await pilot.pause(0.1)
+
+    app = _app(recording=replay.load(RECORDED_HANG_2HOST), speed=0)
+    assert snap_compare(app, terminal_size=SIZE, run_before=to_the_hang_alert)
 
 
 def test_run_screen_with_a_hang(snap_compare):

@@ -57,9 +57,12 @@ class RankTree(Tree[Source]):
 
     @staticmethod
     def _node_label(state: RunState, node: int) -> Text:
-        """``node 1``, then how its process is: starting (no rank has registered yet) or its exit code."""
+        """``node 1`` (``on h2`` when the run spans hosts), then how its process is: starting (no rank has
+        registered yet) or its exit code."""
         how = state.node_state(node)
-        return Text.assemble(f"node {node} ", (how, "dim")) if how else Text(f"node {node}")
+        host = state.node_host(node)
+        name = f"node {node} on {host}" if host else f"node {node}"
+        return Text.assemble(f"{name} ", (how, "dim")) if how else Text(name)
 
     def _rank_label(self, state: RunState, rank: int) -> Text:
         word = state.rank_state(rank)
