@@ -70,6 +70,15 @@ def ranks_per_node(comm: Communicator, ranks: list[int]) -> int:
     return max(per_host.values(), default=1)
 
 
+def timing(profile: Profile, req: Collective, ranks: int, per_node: int, start: float) -> Timing:
+    """A collective like ``req`` among ``ranks`` ranks (at most ``per_node`` on one host) that starts at
+    ``start``: when it ends, and RCCL's algorithm for it. The daemon times its collectives with this; a rank
+    that ran one rank to rank (``shim.direct``) times it with the same figures, so both agree."""
+    estimate = cost.estimate(_PRICED_AS[req.op], nbytes(req, ranks), ranks, profile, per_node)
+    algo = f"{estimate.algorithm.value}/{estimate.protocol.value}" if ranks > 1 else ""
+    return Timing(start, start + estimate.seconds, algo)
+
+
 class CollectiveClock:
     """Times the collectives of one session on ``profile``'s GPUs."""
 
@@ -86,7 +95,4 @@ class CollectiveClock:
         else:
             members = sorted(comm.members)
             ranks = comm.size
-        estimate = cost.estimate(_PRICED_AS[req.op], nbytes(req, comm.size), ranks, self.profile,
-                                 ranks_per_node(comm, members))
-        algo = f"{estimate.algorithm.value}/{estimate.protocol.value}" if ranks > 1 else ""
-        return Timing(start, start + estimate.seconds, algo)
+        return timing(self.profile, req, ranks, ranks_per_node(comm, members), start)

@@ -416,8 +416,11 @@ class Daemon:
             self.ledger.complete(comm, req.seq)
             nbytes = 0 if req.op is s.CollOp.BARRIER else req.numel * itemsize(req.dtype)
             self.publish(s.CollectiveStarted(comm=comm.comm, seq=req.seq, op=req.op, total_bytes=nbytes))
+            # clocked: the time every rank computed for itself from the same t_ready and figures
+            t = self.clock.time(comm, matched) if self.clock is not None else _UNTIMED
             self.publish(s.CollectiveCompleted(comm=comm.comm, seq=req.seq, op=req.op, total_bytes=nbytes,
-                                               seconds=0.0))
+                                               seconds=0.0, emulated_start=t.start, emulated_end=t.end,
+                                               algo=t.algo))
             return
         try:
             job = make_job(comm, matched, self.arena, self.payload_of, self.buffers.view)

@@ -66,6 +66,7 @@ SLOTS = 8
 _HEAD = 64  # the ring's counters: arrived (u32, the futex word) and done (u32)
 _SLOT_HEAD = 64  # a slot's header (``_HEADER``), padded
 _HEADER = struct.Struct("=6q")  # seq, op, dtype, numel, reduce op, root
+_READY = struct.Struct("=d")  # after the header, not compared: clocked mode's emulated time the rank was ready
 _OPS = {op: i for i, op in enumerate(CollOp)}
 _REDUCE = {op: i for i, op in enumerate(ReduceOp)}
 _DTYPES = {name: i for i, name in enumerate(kernels.DTYPES)}
@@ -212,14 +213,16 @@ class PeerRings:
         return True
 
     def post(self, seq: int, op: CollOp, dtype: str, numel: int, reduce_op: ReduceOp, root: int,
-             data: memoryview | None) -> int:
-        """Write the next slot (``data``: its input's bytes, if it sends any) and announce it; returns its
-        ring index. The caller has made sure the slot is free (:meth:`slot_free`)."""
+             data: memoryview | None, t_ready: float = 0.0) -> int:
+        """Write the next slot (``data``: its input's bytes, if it sends any; ``t_ready``: in clocked mode,
+        when this rank's stream let the collective start) and announce it; returns its ring index. The
+        caller has made sure the slot is free (:meth:`slot_free`)."""
         index = self.posted + 1
         mine = self._rings[self.rank]
         at = mine._at((index - 1) % SLOTS)
         head = _HEADER.pack(seq, _OPS[op], _DTYPES[dtype], numel, _REDUCE[reduce_op], root)
         mine.map[at : at + _HEADER.size] = head
+        mine.map[at + _HEADER.size : at + _HEADER.size + _READY.size] = _READY.pack(t_ready)
         if data is not None:
             mine.map[at + _SLOT_HEAD : at + _SLOT_HEAD + data.nbytes] = data
         self.posted = index
@@ -268,6 +271,12 @@ class PeerRings:
         slot = (index - 1) % SLOTS
         mine = self.heads[index]
         return all(self._rings[r].head(slot) == mine for r in range(self.size))
+
+    def start_time(self, index: int) -> float:
+        """Clocked mode: when the collective at ``index`` starts in emulated time, its last member's
+        ``t_ready`` (once :meth:`arrived`), as the daemon would say."""
+        slot = (index - 1) % SLOTS
+        return max(_READY.unpack_from(ring.map, ring._at(slot) + _HEADER.size)[0] for ring in self._rings)
 
     def inputs(self, index: int, nbytes: int) -> list[np.ndarray]:
         """Every rank's input at ``index``, in rank order, as bytes."""

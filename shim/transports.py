@@ -37,6 +37,7 @@ import torch.distributed as dist
 from emulator import kernels
 from emulator import schema as s
 from emulator.arena import Arena, arena_name
+from emulator.collective_clock import Timing, timing
 from shim import client as cl
 from shim import comm_stream as stream
 from shim import clock, direct, nccl_debug
@@ -133,16 +134,16 @@ class Transport:
             nccl_debug.print_init(self.comm.id, self.comm.rank, reply.devices, reply.hosts)
         if clock.CLOCK is not None and isinstance(reply, s.Done):
             p.t_end = reply.t_end
-            self.clocked(p.request, reply, p.device, p.targets)
+            self.clocked(p.request, Timing(reply.t_start, reply.t_end, reply.algo), p.device, p.targets)
         return reply
 
-    def clocked(self, request: s.Collective, done: s.Done, device: int, outputs) -> None:
+    def clocked(self, request: s.Collective, when: Timing, device: int, outputs) -> None:
         """Clocked mode: the collective ran on the communicator's stream when the daemon says."""
         comm = self.comm
         clock.CLOCK.collective_done(
-            device, comm.id, clock.collective_name(request.op), done.t_start, done.t_end,
+            device, comm.id, clock.collective_name(request.op), when.start, when.end,
             {"op": request.op.value, "bytes": request.numel * getattr(torch, request.dtype).itemsize,
-             "comm": comm.group_desc or comm.group_name or comm.id, "algo": done.algo, "seq": request.seq,
+             "comm": comm.group_desc or comm.group_name or comm.id, "algo": when.algo, "seq": request.seq,
              "group_size": comm.size},
             outputs,
         )
@@ -368,7 +369,8 @@ class DirectTransport(Transport):
             data = (t if call.premul is None else t * call.premul).view(torch.uint8).numpy().data
 
         pending = Pending(self, request, 0, None, None, None, call.deliver, call.device, time.monotonic())
-        pending.ring = rings.post(request.seq, call.op, request.dtype, numel, call.reduce_op, call.root, data)
+        pending.ring = rings.post(request.seq, call.op, request.dtype, numel, call.reduce_op, call.root, data,
+                                  request.t_ready)
         pending.req = comm.client.defer(request)
         return stream.append(pending)
 
@@ -406,6 +408,10 @@ class DirectTransport(Transport):
                 p.deliver(out)
         elif req.op is s.CollOp.BROADCAST and p.deliver is not None:
             p.deliver(torch.from_numpy(rings.inputs(p.ring, nbytes)[req.root]).view(dtype))
+        if clock.CLOCK is not None:  # timed as the daemon times it: one host, every member's t_ready known
+            when = timing(clock.CLOCK.profile, req, self.comm.size, self.comm.size, rings.start_time(p.ring))
+            p.t_end = when.end
+            self.clocked(req, when, p.device, p.targets)
         rings.finish(p.ring)
         client.forget(p.req)
 
@@ -440,8 +446,7 @@ class Paths:
             self.main = SocketTransport(comm)
         else:
             self.main = ArenaTransport(comm)
-        # not in clocked mode: the daemon times every collective, so it must match each one
-        ok = data_path == "shm" and comm.client.has_fast and direct.MAX_BYTES > 0 and not clock.ENABLED
+        ok = data_path == "shm" and comm.client.has_fast and direct.MAX_BYTES > 0
         self.direct = DirectTransport(comm) if ok else None
 
     def path(self, call: Call) -> Transport:
