@@ -28,7 +28,6 @@ import sys
 import tempfile
 import time
 
-import psutil
 import zmq
 
 from emulator import schema as s
@@ -36,16 +35,10 @@ from emulator.lifetime import alive
 from mirage_tui import agent_protocol as ap
 from mirage_tui import diagnosis, netif
 from mirage_tui.output import RankTail, pump_pipe
-from mirage_tui.processes import StartError, signal_group, spawn, terminate
+from mirage_tui.processes import StartError, free_port, kill_carrying, signal_group, spawn, terminate
 
 #: The variable every process the agent starts inherits: its sweep at the end finds them by it.
 HOST_TAG = "MIRAGE_AGENT_HOST"
-
-
-def _free_port(address: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((address, 0))
-        return sock.getsockname()[1]
 
 
 class Agent:
@@ -84,7 +77,7 @@ class Agent:
     def serve(self) -> int:
         """Run until Done (0), until the session goes silent (1), or until signalled (143)."""
         self.send(ap.AgentHello(token=self.token, host=self.host, address=self.address, slurm_node=self.slurm_node,
-                                pid=os.getpid(), master_port=_free_port(self.address)))
+                                pid=os.getpid(), master_port=free_port(self.address)))
         beat = 0.0
         code = 0
         try:
@@ -191,16 +184,7 @@ class Agent:
     def stop(self) -> None:
         """Stop every process started here (and any that kept the host tag), send the last output, close."""
         terminate([p for p in self.procs if p is not None])
-        me = os.getpid()
-        for p in psutil.process_iter(["pid"]):
-            if p.pid == me:
-                continue
-            try:
-                env = p.environ()
-                if env.get(HOST_TAG) == self.host and env.get("MIRAGE_SESSION") == self.session:
-                    p.kill()
-            except (psutil.Error, OSError):
-                continue
+        kill_carrying(MIRAGE_SESSION=self.session, **{HOST_TAG: self.host})
         try:
             self.check_processes()
             self.send_output(final=True)

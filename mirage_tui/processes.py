@@ -13,9 +13,12 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Sequence
+
+import psutil
 
 _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: the child must not import or load anything
 _PR_SET_PDEATHSIG = 1
@@ -92,3 +95,25 @@ def terminate(procs: Sequence[subprocess.Popen], grace_s: float = TERM_GRACE_S) 
         except subprocess.TimeoutExpired:
             signal_group(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def free_port(address: str = "127.0.0.1") -> int:
+    """A TCP port free on ``address`` now (for a rendezvous the program binds later)."""
+    with socket.socket() as sock:
+        sock.bind((address, 0))
+        return sock.getsockname()[1]
+
+
+def kill_carrying(**env: str) -> None:
+    """SIGKILL every process (but this one) whose environment has all of ``env``: what escaped its process
+    group still carries the variables it was started with."""
+    me = os.getpid()
+    for p in psutil.process_iter(["pid"]):
+        if p.pid == me:
+            continue
+        try:
+            theirs = p.environ()
+            if all(theirs.get(k) == v for k, v in env.items()):
+                p.kill()
+        except (psutil.Error, OSError):
+            continue

@@ -31,7 +31,6 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import psutil
 import zmq
 
 from emulator import kineto_trace
@@ -43,7 +42,7 @@ from mirage_tui import agent_protocol as ap
 from mirage_tui.hosts import Hosts, HostsError, RemoteProcess
 from mirage_tui.launch_env import BOOT_DIR, RankEnvironment, node_env, rank_env
 from mirage_tui.output import RankTail, pump_pipe
-from mirage_tui.processes import TERM_GRACE_S, StartError, signal_group, spawn
+from mirage_tui.processes import TERM_GRACE_S, StartError, free_port, kill_carrying, signal_group, spawn
 from mirage_tui.runstate import Outcome, RunState
 from mirage_tui.topology import Launcher, OnHang, Topology, UsageError, slurm_hosts
 from shim.bootstrap import is_torchrun_agent
@@ -74,12 +73,6 @@ class LaunchError(Exception):
     def __init__(self, message: str, returncode: int):
         super().__init__(message)
         self.returncode = returncode
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _signal_name(signum: int) -> str:
@@ -378,7 +371,7 @@ class Session:
         self._thread(self._pump_rank_files, "rank-output")
         if self.topology.launcher is Launcher.SLURM:
             return self._start_on_hosts()
-        port = _free_port()
+        port = free_port()
         for node in range(self.topology.num_nodes):  # for 'mirage exec SESSION --node N'
             sessions.write_node_env(self.run.path, node, self.node_env(node, port))
         nproc = self.topology.nproc_per_node
@@ -602,15 +595,7 @@ class Session:
 
     def _sweep(self) -> None:
         """Kill anything still carrying this session's id (escaped process groups)."""
-        me = os.getpid()
-        for p in psutil.process_iter(["pid"]):
-            if p.pid == me:
-                continue
-            try:
-                if p.environ().get("MIRAGE_SESSION") == self.run.session:
-                    p.kill()
-            except (psutil.Error, OSError):
-                continue
+        kill_carrying(MIRAGE_SESSION=self.run.session)
         for path in session_segments(self.run.session):
             try:
                 os.unlink(path)

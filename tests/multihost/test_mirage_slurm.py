@@ -43,6 +43,18 @@ def _events(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines() if line.endswith("}")]
 
 
+def _training(c: Cluster, log_dir: Path) -> dict:
+    """Wait until the run in ``log_dir`` trains on both hosts; its session.json."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        runs = [p for p in log_dir.iterdir() if p.is_dir()] if log_dir.exists() else []
+        if runs and (runs[0] / "events.jsonl").exists() and sum(
+                e["type"] == "coll_completed" for e in _events(runs[0])) > 20:
+            return json.loads((runs[0] / "session.json").read_text())
+        time.sleep(0.2)
+    pytest.fail(f"the run did not get going on both hosts\n{c.diagnostics()}")
+
+
 def _ours_left(c: Cluster, session: str) -> list[str]:
     """Processes of this run still alive in any of the cluster's namespaces."""
     left = []
@@ -123,17 +135,7 @@ def test_a_killed_host_ends_the_run_naming_it(multihost_ready, tmp_path):
                        _mirage(tmp_path, "--nproc-per-node 2", "--", "python", str(DDP), env="STEPS=1000000")],
                       env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:  # every rank registered and training
-                runs = [p for p in tmp_path.iterdir() if p.is_dir()] if tmp_path.exists() else []
-                if runs and (runs[0] / "events.jsonl").exists():
-                    events = _events(runs[0])
-                    if sum(e["type"] == "coll_completed" for e in events) > 20:
-                        break
-                time.sleep(0.2)
-            else:
-                pytest.fail(f"the run did not get going on both hosts\n{c.diagnostics()}")
-            session = json.loads((runs[0] / "session.json").read_text())["session"]
+            session = _training(c, tmp_path)["session"]
             c.kill_host("h2")
             killed = time.monotonic()
             out, err = job.communicate(timeout=60)
@@ -161,19 +163,8 @@ def test_ctrl_c_on_the_head_stops_every_host(cluster, tmp_path):
                          _mirage(tmp_path, "--nproc-per-node 2", "--", "python", str(DDP), env="STEPS=1000000")],
                         env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
-        mirage = None
-        while time.monotonic() < deadline:
-            runs = [p for p in tmp_path.iterdir() if p.is_dir()] if tmp_path.exists() else []
-            if runs and (runs[0] / "events.jsonl").exists() and sum(
-                    e["type"] == "coll_completed" for e in _events(runs[0])) > 20:
-                session = json.loads((runs[0] / "session.json").read_text())
-                mirage = session["pid"]
-                break
-            time.sleep(0.2)
-        else:
-            pytest.fail(f"the run did not get going on both hosts\n{cluster.diagnostics()}")
-        os.kill(mirage, signal.SIGINT)  # what Ctrl-C in mirage's terminal sends it
+        session = _training(cluster, tmp_path)
+        os.kill(session["pid"], signal.SIGINT)  # what Ctrl-C in mirage's terminal sends it
         stopped = time.monotonic()
         out, err = job.communicate(timeout=60)
         took = time.monotonic() - stopped
