@@ -17,7 +17,11 @@ What HTA (0.5) needs of a trace, and so what is written:
   and ``name``; ``args.stream`` (an event without one is a CPU event to HTA) and
   ``args.correlation`` (>= 0 on a GPU event);
 - kernel names that say what a kernel is: ``^nccl.*Kernel`` is communication,
-  ``^Memcpy``/``^Memset`` memory, anything else computation.
+  ``^Memcpy``/``^Memset`` memory, anything else computation;
+- for its per-iteration analyses (temporal breakdown, stragglers, queue lengths):
+  the host's side, ``ProfilerStep#N`` annotations and one ``cuda_runtime`` launch
+  per GPU event (``hipLaunchKernel``, as a ROCm build's profiler names it) with
+  the kernel's ``correlation``; a kernel belongs to the step its launch falls in.
 
 This module imports neither torch nor the rest of mirage: the rank side calls it
 at exit and the console at the end of a run.
@@ -62,9 +66,14 @@ def _us(seconds: float) -> float:
     return round(seconds * 1e6, 3)
 
 
+#: the host's call that launched each kind of GPU event, as a ROCm build's profiler (roctracer) names it
+_LAUNCH = {"compute": "hipLaunchKernel", "comm": "hipLaunchKernel", "memcpy": "hipMemcpyAsync"}
+
+
 def _kineto_event(event: tuple, correlation: int) -> dict | None:
-    """One ``(kind, name, device, stream, start_s, end_s, args)`` as a Kineto GPU event; None if unusable."""
-    kind, name, device, stream, start_s, end_s, args = event
+    """One ``(kind, name, device, stream, start_s, end_s, args, issued_s)`` as a Kineto GPU event; None if
+    unusable."""
+    kind, name, device, stream, start_s, end_s, args, _ = event
     if not (math.isfinite(start_s) and math.isfinite(end_s)):
         return None
     ts = _us(start_s)
@@ -82,6 +91,22 @@ def _kineto_event(event: tuple, correlation: int) -> dict | None:
     for key, value in (args or {}).items():
         kargs.setdefault(key, value)  # Kineto's own keys win: HTA reads them
     return {"ph": "X", "cat": cat, "name": name, "pid": device, "tid": stream, "ts": ts, "dur": dur, "args": kargs}
+
+
+def _host_events(events: list[tuple], kernels: list[dict], steps, pid: int) -> list[dict]:
+    """The host thread's side of a rank's trace: ``ProfilerStep#N`` annotations, and the launch of each
+    of ``kernels`` (the Kineto events made of ``events``, in order) at the time the host issued it."""
+    host = [{"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{n}", "pid": pid, "tid": pid,
+             "ts": _us(a), "dur": max(round(_us(b) - _us(a), 3), 0.0), "args": {}}
+            for n, a, b in steps if math.isfinite(a) and math.isfinite(b)]
+    usable = (e for e in events if math.isfinite(e[4]) and math.isfinite(e[5]))
+    for event, kernel in zip(usable, kernels):
+        issued = event[7]
+        ts = min(_us(issued), kernel["ts"]) if math.isfinite(issued) else kernel["ts"]
+        host.append({"ph": "X", "cat": "cuda_runtime", "name": _LAUNCH.get(event[0], "hipLaunchKernel"),
+                     "pid": pid, "tid": pid, "ts": ts, "dur": 0.0,
+                     "args": {"correlation": kernel["args"]["correlation"]}})
+    return host
 
 
 def _meta(name: str, pid: int, tid: int, args: dict) -> dict:
@@ -119,16 +144,20 @@ def _write_document(f, header: dict, events, footer: dict | None = None) -> None
 
 
 def write_rank_trace(path: str, *, rank: int, world_size: int, profile: str, device_name: str,
-                     events: list[tuple], dropped: int = 0, device_properties: dict | None = None) -> None:
+                     events: list[tuple], steps=(), dropped: int = 0, device_properties: dict | None = None,
+                     host_pid: int | None = None) -> None:
     """Write one rank's emulated timeline to ``path`` as a Kineto trace, atomically.
 
-    ``events`` are ``(kind, name, device, stream, start_s, end_s, args)``: ``kind`` "compute" (an aten
-    op's kernel), "comm" (a collective, ``name`` "nccl:<op>") or "memcpy" ("Memcpy HtoD", ...);
+    ``events`` are ``(kind, name, device, stream, start_s, end_s, args, issued_s)``: ``kind`` "compute"
+    (an aten op's kernel), "comm" (a collective, ``name`` "nccl:<op>") or "memcpy" ("Memcpy HtoD", ...);
     ``device`` the GPU index as the rank sees it, ``stream`` an int id, times in emulated seconds since
-    the rank started, ``args`` None or a dict kept in the event's ``args``. ``dropped`` counts the
+    the rank started (``issued_s``: when the host launched it), ``args`` None or a dict kept in the
+    event's ``args``. ``steps`` are ``(n, start_s, end_s)``, written as ``ProfilerStep#n`` on the host
+    thread (process and thread ``host_pid``, default this process's pid). ``dropped`` counts the
     events the rank did not keep; ``device_properties`` (optional) is added to each GPU's entry of
     ``deviceProperties``. Creates the folder; raises OSError if the file cannot be written.
     """
+    host_pid = os.getpid() if host_pid is None else host_pid
     kineto: list[dict] = []
     streams: dict[tuple[int, int], bool] = {}  # (device, stream) -> whether it carries collectives
     unusable = 0
@@ -149,6 +178,9 @@ def write_rank_trace(path: str, *, rank: int, world_size: int, profile: str, dev
     for (d, s), comm in sorted(streams.items()):
         meta += [_meta("thread_name", d, s, {"name": f"stream {s}" + (" (collectives)" if comm else "")}),
                  _meta("thread_sort_index", d, s, {"sort_index": s})]
+    host = _host_events(events, kineto, steps, host_pid)
+    meta += [_meta("process_name", host_pid, 0, {"name": "host"}),
+             _meta("thread_name", host_pid, host_pid, {"name": "host"})]
     header = {
         # first, and with json's default ": " separator: HTA finds the rank with '"rank":\s+(\d+)'
         "distributedInfo": {"backend": "nccl", "rank": rank, "world_size": world_size},
@@ -163,7 +195,7 @@ def write_rank_trace(path: str, *, rank: int, world_size: int, profile: str, dev
                    "dropped_events": dropped + unusable},
     }
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    _write_atomically(path, lambda f: _write_document(f, header, [*meta, *kineto]))
+    _write_atomically(path, lambda f: _write_document(f, header, [*meta, *host, *kineto]))
 
 
 def _load_rank_trace(path: str) -> dict:
@@ -186,17 +218,24 @@ def _merged_events(data: dict, rank: int):
     # Perfetto takes pid 0 for the kernel's idle task and keeps ids to 32 bits, and the clock's
     # collective streams count from 1 << 20: so here rank R is process R + 1 and its tracks are
     # threads 1, 2, ... in (GPU, stream) order. A track's name and each event's args say its stream.
+    # The host's launches are left out (one per kernel, they would double the file for what the
+    # kernels already show); its ProfilerStep annotations get a "host" track of their own.
     pid = rank + 1
     names: dict[tuple, str] = {}
+    gpu_keys: set[tuple] = set()
     kernels = []
     for e in events:
         key = (e.get("pid", 0), e.get("tid", 0))
-        if e.get("ph") != "M":
+        args = e.get("args") if isinstance(e.get("args"), dict) else {}
+        if e.get("ph") == "M":
+            if e.get("name") == "thread_name":
+                names[key] = str(args.get("name", f"stream {key[1]}"))
+        elif e.get("cat") != "cuda_runtime":
             kernels.append(e)
             names.setdefault(key, f"stream {key[1]}")
-        elif e.get("name") == "thread_name" and isinstance(e.get("args"), dict):
-            names[key] = str(e["args"].get("name", f"stream {key[1]}"))
-    devices = sorted({d for d, _ in names}, key=lambda d: _order((d,)))
+            if "stream" in args:
+                gpu_keys.add(key)
+    devices = sorted({d for d, _ in gpu_keys}, key=lambda d: _order((d,)))
     tracks = {key: i for i, key in enumerate(sorted(names, key=_order), start=1)}
     label = data["mirage"].get("device_name") if isinstance(data.get("mirage"), dict) else None
     gpus = ", ".join(str(d) for d in devices)

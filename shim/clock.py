@@ -106,8 +106,10 @@ class Clock:
         self.comm_streams: dict[str, int] = {}  # communicator id -> the stream id its collectives run on
         # the thread's current stream id on a GPU; shim.cuda installs the real one
         self.stream_of = lambda gpu: 0
-        self.events: list[tuple] = []  # (kind, name, gpu, stream, start, end, args): the trace
+        # the trace: (kind, name, gpu, stream, start, end, args, issued), issued = when the host launched it
+        self.events: list[tuple] = []
         self.dropped = 0
+        self.steps: list[tuple[int, float, float]] = []  # (step, start, end) of every step ended
         self.names: dict[int, str] = {}
         self.rank: int | None = None
         # the step in progress
@@ -125,6 +127,14 @@ class Clock:
             self.events.append(event)
         else:
             self.dropped += 1
+
+    def _issued(self, start: float) -> float:
+        """When the host launched a kernel that starts at ``start``, as the trace tells it.
+
+        The host is infinitely fast: it issues everything at its last synchronisation. In the trace
+        it keeps the step's pace, as a training loop's host does: no launch before the step it belongs
+        to began, none after the kernel started."""
+        return min(start, max(self.host, self.step_start))
 
     def _name(self, func) -> str:
         name = self.names.get(id(func))
@@ -169,7 +179,7 @@ class Clock:
             if not cost.has_formula:
                 self.bytes_only_ops += 1
             self._record(("compute", self._name(func), gpu, key[1], start, end,
-                          {"flops": cost.flops, "bytes": cost.bytes, "bound": cost.bound}))
+                          {"flops": cost.flops, "bytes": cost.bytes, "bound": cost.bound}, self._issued(start)))
 
     def copy_to_device(self, gpu: int, nbytes: int) -> None:
         """A host-to-device copy onto ``gpu`` (``.to("cuda")``, ``.cuda()``) on its current stream."""
@@ -180,10 +190,11 @@ class Clock:
             key = (gpu, self.stream_of(gpu))
             start = max(self.streams.get(key, 0.0), self.host, deps)
             end = self.streams[key] = start + nbytes / HOST_LINK_BYTES_PER_S
+            issued = self._issued(start)
             if to_host:
                 self.host = end  # the copy (or .item()) returns once the device got there
             self._record(("memcpy", "Memcpy DtoH" if to_host else "Memcpy HtoD", gpu, key[1], start, end,
-                          {"bytes": nbytes}))
+                          {"bytes": nbytes}, issued))
 
     # ------------------------------------------------------------ collectives
 
@@ -207,7 +218,7 @@ class Clock:
             key = (gpu, self.comm_stream(comm_id))
             self.streams[key] = max(self.streams.get(key, 0.0), end)
             self.comm.append((start, end))
-            self._record(("comm", name, gpu, key[1], start, end, args))
+            self._record(("comm", name, gpu, key[1], start, end, args, self._issued(start)))
             for t in outputs or ():
                 t = getattr(t, "_elem", t)  # an emulated tensor's data
                 if t is not None and t.numel():
@@ -258,6 +269,7 @@ class Clock:
             report = dict(step=self.step, t_start=self.step_start, t_end=end, compute_s=_length(compute),
                           comm_s=_length(comm), exposed_comm_s=_uncovered(comm, compute), ops=self.ops,
                           bytes_only_ops=self.bytes_only_ops)
+            self.steps.append((self.step, self.step_start, end))
             self.step_start = end
             self.compute, self.comm = [], []
             self.ops = self.bytes_only_ops = 0
@@ -311,7 +323,8 @@ def write_trace() -> str | None:
     path = os.path.join(run_dir, "traces", f"rank-{rank}.json")
     try:
         kineto_trace.write_rank_trace(path, rank=rank, world_size=world, profile=CLOCK.profile.name,
-                                      device_name=CLOCK.profile.product, events=CLOCK.events, dropped=CLOCK.dropped)
+                                      device_name=CLOCK.profile.product, events=CLOCK.events, steps=CLOCK.steps,
+                                      dropped=CLOCK.dropped)
     except OSError as e:
         print(f"mirage: could not write the clocked trace {path}: {e}", file=sys.stderr, flush=True)
         return None

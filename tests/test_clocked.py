@@ -66,6 +66,11 @@ def _hta_overlap(traces):
     assert all(0 <= x <= 100 for x in overlap["comp_comm_overlap_pctg"])
     kernels = analysis.get_gpu_kernel_breakdown(visualize=False)[0]
     assert set(kernels["kernel_type"]) >= {"COMPUTATION", "COMMUNICATION"}
+    # the per-iteration analyses read the host's ProfilerStep annotations and kernel launches
+    temporal = analysis.get_temporal_breakdown(visualize=False)
+    assert sorted(temporal["rank"]) == [0, 1] and all(temporal["compute_time(us)"] > 0)
+    idle = analysis.get_idle_time_breakdown(visualize=False)[0]
+    assert set(idle["idle_category"]) >= {"host_wait", "kernel_wait"}
 
 
 @pytest.mark.usefixtures("no_orphans")

@@ -107,11 +107,11 @@ def test_human_seconds(seconds, text):
 
 def _rank_events(rank: int) -> list[tuple]:
     return [
-        ("compute", "aten::mm", rank, 0, 0.0, 10e-6, {"flops": 2e9, "bytes": 1e6, "bound": "compute"}),
+        ("compute", "aten::mm", rank, 0, 0.0, 10e-6, {"flops": 2e9, "bytes": 1e6, "bound": "compute"}, 0.0),
         ("comm", "nccl:all_reduce", rank, 1 << 20, 5e-6, 12e-6, {"op": "all_reduce", "algo": "ring/LL",
-                                                                 "group_size": 2}),
-        ("compute", "aten::add", rank, 0, 12e-6, 13e-6, None),
-        ("memcpy", "Memcpy DtoH", rank, 0, 13e-6, 14e-6, {"bytes": 8}),
+                                                                 "group_size": 2}, 1e-6),
+        ("compute", "aten::add", rank, 0, 12e-6, 13e-6, None, 2e-6),
+        ("memcpy", "Memcpy DtoH", rank, 0, 13e-6, 14e-6, {"bytes": 8}, 2e-6),
     ]
 
 
@@ -119,22 +119,33 @@ def test_rank_traces_read_as_kineto_and_merge(tmp_path):
     for rank in (0, 1):
         kineto_trace.write_rank_trace(str(tmp_path / "traces" / f"rank-{rank}.json"), rank=rank, world_size=2,
                                       profile="mi350x", device_name="AMD Instinct MI350X",
-                                      events=_rank_events(rank))
+                                      events=_rank_events(rank), steps=[(1, 0.0, 14e-6)], host_pid=4242)
     (tmp_path / "traces" / "rank-2.json").write_text('{"traceEvents": [')  # a rank killed mid-write
     head = (tmp_path / "traces" / "rank-1.json").read_text()[:200]
     assert head.startswith('{"distributedInfo": {"backend": "nccl", "rank": 1')  # where HTA looks for it
     one = json.loads((tmp_path / "traces" / "rank-1.json").read_text())
-    kernels = [e for e in one["traceEvents"] if e["ph"] == "X"]
+    kernels = [e for e in one["traceEvents"] if e["ph"] == "X" and e["pid"] != 4242]
     assert [e["name"] for e in kernels] == ["aten::mm", "ncclDevKernel_AllReduce_RING_LL", "aten::add",
                                              "Memcpy DtoH"]
     assert kernels[1]["ts"] == 5.0 and kernels[1]["dur"] == 7.0 and kernels[1]["args"]["Collective name"] == \
         "all_reduce"
     assert all(e["args"]["stream"] >= 0 and e["args"]["correlation"] > 0 for e in kernels)
+    # the host's side, for HTA's per-iteration analyses: the step, and one launch per kernel, never after it
+    host = [e for e in one["traceEvents"] if e["ph"] == "X" and e["pid"] == 4242]
+    assert [(e["name"], e["ts"], e["dur"]) for e in host if e["cat"] == "user_annotation"] == \
+        [("ProfilerStep#1", 0.0, 14.0)]
+    launches = [e for e in host if e["cat"] == "cuda_runtime"]
+    assert [e["name"] for e in launches] == ["hipLaunchKernel"] * 3 + ["hipMemcpyAsync"]
+    assert [e["args"]["correlation"] for e in launches] == [e["args"]["correlation"] for e in kernels]
+    assert [e["ts"] for e in launches] == [0.0, 1.0, 2.0, 2.0]
     merged_path = kineto_trace.merge_traces(str(tmp_path))
     merged = json.loads(open(merged_path).read())
     assert merged["mirage"]["ranks"] == [0, 1]
     assert [x["file"].rsplit("/", 1)[-1] for x in merged["mirage"]["skipped"]] == ["rank-2.json"]
     names = {(e["pid"], e["args"]["name"]) for e in merged["traceEvents"] if e.get("name") == "process_name"}
     assert names == {(1, "rank 0 (GPU 0)"), (2, "rank 1 (GPU 1)")}
-    assert sum(e["ph"] == "X" for e in merged["traceEvents"]) == 8
+    # the kernels, and each rank's step on a host track; the launches stay in the rank files
+    assert sum(e["ph"] == "X" for e in merged["traceEvents"]) == 10
+    assert {(e["pid"], e["args"]["name"]) for e in merged["traceEvents"] if e.get("name") == "thread_name"
+            and e["args"]["name"] == "host"} == {(1, "host"), (2, "host")}
     assert kineto_trace.merge_traces(str(tmp_path / "nothing")) is None
