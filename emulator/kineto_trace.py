@@ -39,7 +39,8 @@ import sys
 TRACES_DIR = "traces"
 MERGED_TRACE = "trace.json"
 
-_RANK_FILE = re.compile(r"rank-(\d+)\.json")
+#: a rank's trace file in ``TRACES_DIR`` (written by :func:`write_rank_trace`)
+RANK_TRACE = re.compile(r"rank-(\d+)\.json")
 
 #: NCCL's kernel name for each collective (``ncclDevKernel_<Coll>_<ALGO>_<PROTO>``). RCCL names all of
 #: its kernels ``ncclDevKernel_Generic``, which hides the op; both match HTA's ``^nccl.*Kernel``.
@@ -251,6 +252,15 @@ def _merged_events(data: dict, rank: int):
         yield dict(e, pid=pid, tid=tracks[(e.get("pid", 0), e.get("tid", 0))])
 
 
+def rank_traces(folder: str) -> list[tuple[int, str]]:
+    """The rank traces (``rank-R.json``) in ``folder`` as ``(R, file name)``, in rank order; [] if none."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    return sorted((int(m.group(1)), n) for n in names if (m := RANK_TRACE.fullmatch(n)))
+
+
 def merge_traces(run_dir: str) -> str | None:
     """Merge a run's ``traces/rank-*.json`` into ``<run_dir>/trace.json`` for Perfetto; return its path.
 
@@ -260,11 +270,7 @@ def merge_traces(run_dir: str) -> str | None:
     the run has no rank traces, or when the merged file cannot be written (said on stderr).
     """
     folder = os.path.join(run_dir, TRACES_DIR)
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return None
-    files = sorted((int(m.group(1)), n) for n in names if (m := _RANK_FILE.fullmatch(n)))
+    files = rank_traces(folder)
     if not files:
         return None
     info: dict = {"exec_mode": "clocked", "time": "emulated, microseconds since each rank started",

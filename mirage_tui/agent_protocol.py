@@ -92,6 +92,19 @@ class Stacks(AgentMessage):
 
 
 @dataclass(frozen=True)
+class TraceFile(AgentMessage):
+    """Part ``part`` (from 0) of a clocked rank's trace ``traces/<name>`` on the agent's host; ``last`` ends it.
+
+    Sent before :class:`Finished`, in order, so that the head merges every host's ranks."""
+
+    TYPE: ClassVar[str] = "trace"
+    name: str = ""
+    part: int = 0
+    data: str = ""
+    last: bool = False
+
+
+@dataclass(frozen=True)
 class Finished(AgentMessage):
     """Every process the agent started has ended and its output was sent."""
 
@@ -206,7 +219,7 @@ def _typed(value: Any, kind: type, what: str):
 def _check(kind: str, name: str, value: Any, annotation: str) -> None:
     """Check a field's JSON value against its annotation (the few shapes used above)."""
     base = annotation.split("[", 1)[0]
-    expected = {"str": str, "int": int, "list": list, "dict": dict}.get(base)
+    expected = {"str": str, "int": int, "bool": bool, "list": list, "dict": dict}.get(base)
     if expected is not None:
         _typed(value, expected, f"{kind}.{name}")
     if annotation == "list[str]" and not all(isinstance(v, str) for v in value):

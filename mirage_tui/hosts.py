@@ -5,7 +5,7 @@ interface only, CURVE), starts ``srun ... python -m mirage_tui.node_agent``
 inside the Slurm allocation, waits until every host's agent has said hello
 with the session token, and then carries the session's orders to the hosts
 (launch, kill, watch, dump stacks) and their news back: output lines, process
-ends, rank processes gone, and a host that stopped answering. One thread owns
+ends, rank processes gone, clocked traces, and a host that stopped answering. One thread owns
 the socket; other threads queue what they send.
 
 Each launched process on another host is a :class:`RemoteProcess`, which the
@@ -15,6 +15,7 @@ session polls, waits for and signals as it does a local ``Popen``.
 from __future__ import annotations
 
 import itertools
+import os
 import queue
 import signal
 import subprocess
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from emulator import kineto_trace
 from emulator import schema as s
 from mirage_tui import agent_protocol as ap
 from mirage_tui.processes import signal_group
@@ -52,6 +54,7 @@ class Agent:
     procs: list[RemoteProcess] = field(default_factory=list)
     nodes: list[int] = field(default_factory=list)  # the emulated nodes it runs
     ranks: dict[int, int] = field(default_factory=dict)  # rank -> pid of its registered ranks
+    trace_parts: dict[str, int] = field(default_factory=dict)  # trace file -> the next part expected
 
     @property
     def host(self) -> str:
@@ -90,9 +93,10 @@ class RemoteProcess:
 class Hosts:
     """The session's agents: start them, wait for them, talk to them (see the module docstring)."""
 
-    def __init__(self, address: str, secret_key: bytes, token: str, session: str,
+    def __init__(self, address: str, secret_key: bytes, token: str, session: str, run_dir: str,
                  emit: Callable[[s.Event], None], on_rank_gone: Callable[[str, int, int], None]):
         self.token = token
+        self.traces_dir = os.path.join(run_dir, kineto_trace.TRACES_DIR)
         self.session = session
         self.emit = emit
         self.on_rank_gone = on_rank_gone  # (host, rank, pid): the daemon must hear of it
@@ -114,6 +118,7 @@ class Hosts:
         self._reqs = itertools.count(1)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="hosts", daemon=True)
+        self._trace_heard = 0.0  # when the last part of a trace arrived
         self.ignored = 0  # messages from connections that never presented the token, or malformed
         self._lock = threading.Lock()  # guards each Agent.ranks (the dispatcher adds, this thread reads)
 
@@ -260,8 +265,27 @@ class Hosts:
             if done is not None:
                 out.update({int(r): (v[0], v[1]) if len(v) == 2 else ("unknown", "") for r, v in msg.ranks.items()})
                 done.set()
+        elif isinstance(msg, ap.TraceFile):
+            self._trace_part(agent, msg)
         elif isinstance(msg, ap.Finished):
             agent.finished = True
+
+    def _trace_part(self, agent: Agent, msg: ap.TraceFile) -> None:
+        """Add a part of a rank's trace to the run directory's ``traces/``; the file appears when complete."""
+        if not kineto_trace.RANK_TRACE.fullmatch(msg.name) or msg.part != agent.trace_parts.get(msg.name, 0):
+            self.ignored += 1  # not a trace's name (a path, say), or a part out of order
+            return
+        path = os.path.join(self.traces_dir, msg.name)
+        try:
+            os.makedirs(self.traces_dir, exist_ok=True)
+            with open(path + ".part", "w" if msg.part == 0 else "a", encoding="utf-8") as f:
+                f.write(msg.data)
+            if msg.last:
+                os.replace(path + ".part", path)
+        except OSError as e:  # the merge will name the rank it lacks
+            print(f"mirage: could not write {msg.name} from {agent.host}: {e}", file=sys.stderr)
+        agent.trace_parts[msg.name] = msg.part + 1
+        self._trace_heard = time.monotonic()
 
     def _check_silence(self) -> None:
         now = time.monotonic()
@@ -286,8 +310,9 @@ class Hosts:
 
     def finish(self, grace_s: float = 5.0) -> None:
         """Tell every agent the run is over, wait for srun to end (then stop it), close the bus."""
-        deadline = time.monotonic() + 2.0  # each host's last output lines come with its Finished
-        while self._thread.is_alive() and time.monotonic() < deadline and not all(
+        # each host's last output lines and traces come before its Finished: wait 2 s, and while traces arrive
+        start = time.monotonic()
+        while self._thread.is_alive() and time.monotonic() < max(start, self._trace_heard) + 2.0 and not all(
                 a.finished or a.lost for a in self.agents.values()):
             time.sleep(0.02)
         for agent in self.agents.values():

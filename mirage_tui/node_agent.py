@@ -5,7 +5,7 @@ to the session (CURVE over TCP: :mod:`mirage_tui.agent_protocol`), says which
 host it is, and then does on its host what the session does on its own: starts
 the emulated nodes' programs the session sends it (:class:`~agent_protocol.Launch`),
 reads their output (rank files in a local run directory, node pipes) and sends
-it on, reports each process's end, watches the host's rank processes for the
+it on, reports each process's end, sends the ranks' clocked traces at the end, watches the host's rank processes for the
 daemon (which cannot see them), and dumps their stacks when a hang is reported.
 It stops everything it started, and every process that inherited its host tag,
 when the session says :class:`~agent_protocol.Done`, when it is signalled (``scancel``,
@@ -30,6 +30,7 @@ import time
 
 import zmq
 
+from emulator import kineto_trace
 from emulator import schema as s
 from emulator.lifetime import alive
 from mirage_tui import agent_protocol as ap
@@ -39,6 +40,8 @@ from mirage_tui.processes import StartError, free_port, kill_carrying, signal_gr
 
 #: The variable every process the agent starts inherits: its sweep at the end finds them by it.
 HOST_TAG = "MIRAGE_AGENT_HOST"
+#: A trace travels in parts of this many characters (the head takes messages up to 64 MiB).
+TRACE_PART_CHARS = 4 << 20
 
 
 class Agent:
@@ -168,8 +171,24 @@ class Agent:
             for t in self.pumps:
                 t.join(1.0)
             self.send_output(final=True)
+            self.send_traces()
             self.send(ap.Finished())
             self.finished = True
+
+    def send_traces(self) -> None:
+        """Send the clocked traces this host's ranks wrote, so that the head's run directory has every rank's."""
+        folder = os.path.join(self.run_dir, kineto_trace.TRACES_DIR)
+        for _, name in kineto_trace.rank_traces(folder):
+            try:
+                with open(os.path.join(folder, name), encoding="utf-8") as f:
+                    data = f.read()
+            except (OSError, ValueError) as e:  # the head's merge names a rank it lacks
+                print(f"mirage node {self.host}: could not read the trace {name}: {e}", file=sys.stderr, flush=True)
+                continue
+            parts = range(0, len(data), TRACE_PART_CHARS)
+            for i, at in enumerate(parts):
+                self.send(ap.TraceFile(name=name, part=i, data=data[at:at + TRACE_PART_CHARS],
+                                       last=i == len(parts) - 1))
 
     def send_output(self, final: bool = False) -> None:
         lines = self.tail.poll(final=final)

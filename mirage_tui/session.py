@@ -388,7 +388,8 @@ class Session:
         topo = self.topology
         with open(self._secret_file, "rb") as f:
             secret = f.read()
-        self.hosts = Hosts(self._address, secret, self.run.token, self.run.session, self.emit, self._gone_elsewhere)
+        self.hosts = Hosts(self._address, secret, self.run.token, self.run.session, self.run.path, self.emit,
+                           self._gone_elsewhere)
         try:
             agents = self.hosts.start(slurm_hosts(), self._daemon_env(), os.path.join(self.run.path, "srun.log"))
         except HostsError as e:

@@ -15,6 +15,7 @@ import zmq
 
 from daemon_client import DaemonProcess, stamped
 from test_cli_usage import mirage
+from emulator import kineto_trace
 from emulator import schema as s
 from emulator.daemon import TCP_ENDPOINT_FILE
 from mirage_tui import agent_protocol as ap
@@ -100,10 +101,10 @@ def test_another_hosts_rank_is_watched_by_its_agent_not_by_pid(tcp_daemon):
 
 
 @pytest.fixture
-def bus():
+def bus(tmp_path):
     public, secret = zmq.curve_keypair()
     got: list = []
-    hosts = Hosts("127.0.0.1", secret, "the-token", "sess", got.append, lambda *a: got.append(a))
+    hosts = Hosts("127.0.0.1", secret, "the-token", "sess", str(tmp_path), got.append, lambda *a: got.append(a))
     hosts.public = public.decode()
     hosts.got = got
     yield hosts
@@ -140,6 +141,29 @@ def test_the_bus_takes_an_agent_only_with_the_token(bus):
         ctx.destroy(linger=0)
 
 
+def test_an_agent_s_traces_land_in_the_run_directory_whole_or_not_at_all(bus, tmp_path):
+    ctx = zmq.Context()
+    try:
+        agent = _dealer(ctx, bus.endpoint, bus.public)
+        agent.send(ap.encode(ap.AgentHello(token="the-token", host="h2", slurm_node=1)))
+        for msg in (ap.TraceFile(name="rank-2.json", part=0, data='{"traceEvents": '),
+                    ap.TraceFile(name="rank-2.json", part=1, data="[]}", last=True),
+                    ap.TraceFile(name="rank-3.json", part=0, data='{"traceEvents": '),  # its host died here
+                    ap.TraceFile(name="../evil.json", part=0, data="x", last=True),
+                    ap.TraceFile(name="rank-4.json", part=1, data="x", last=True),  # no part 0
+                    ap.Finished()):
+            agent.send(ap.encode(msg))
+        _pump(bus, lambda: any(a.finished for a in bus.agents.values()))
+        assert bus.ignored == 2
+        traces = tmp_path / "traces"
+        assert (traces / "rank-2.json").read_text() == '{"traceEvents": []}'
+        assert sorted(p.name for p in traces.iterdir()) == ["rank-2.json", "rank-3.json.part"]
+        assert not (tmp_path / "evil.json").exists()
+        assert kineto_trace.rank_traces(str(traces)) == [(2, "rank-2.json")]  # what the merge reads
+    finally:
+        ctx.destroy(linger=0)
+
+
 def test_a_silent_agent_is_a_lost_host(bus):
     ctx = zmq.Context()
     try:
@@ -164,7 +188,7 @@ def test_a_silent_agent_is_a_lost_host(bus):
     b'{"type": "launch", "processes": [{"node": 0, "rank": null, "env": {"A": 1}}]}',
     b'{"type": "kill", "index": "all"}', b'{"type": "kill", "index": true}',
     b'{"type": "dump_stacks", "ranks": {"0": "pid"}}', b'{"type": "hello", "extra": 1}',
-    b'{"type": "nope"}',
+    b'{"type": "nope"}', b'{"type": "trace", "name": "rank-0.json", "last": 1}',
 ])
 def test_malformed_agent_messages_are_refused(data):
     with pytest.raises(ap.ProtocolError):
@@ -176,7 +200,8 @@ def test_agent_messages_round_trip():
                 ap.Launch(command=["python", "x.py"], workdir="/w",
                           processes=[ap.Process(0, None, {"A": "1"}), ap.Process(1, 3, {})]),
                 ap.Stacks(req=1, ranks={"0": ["sleeping", "File x"]}), ap.Kill(index=-1, signal=9),
-                ap.DumpStacks(req=2, ranks={"1": 55}), ap.Exited(index=0, pid=9, returncode=-9), ap.Done()):
+                ap.DumpStacks(req=2, ranks={"1": 55}), ap.Exited(index=0, pid=9, returncode=-9), ap.Done(),
+                ap.TraceFile(name="rank-1.json", part=2, data="{}", last=True)):
         assert ap.decode(ap.encode(msg)) == msg
 
 

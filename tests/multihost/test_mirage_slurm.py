@@ -106,16 +106,22 @@ def test_ddp_over_two_hosts_matches_gloo(cluster, tmp_path, gloo_loss):
     assert _ours_left(cluster, session) == []
 
 
-def test_torchrun_rendezvous_crosses_hosts(cluster, tmp_path, gloo_loss):
+def test_torchrun_rendezvous_crosses_hosts_clocked(cluster, tmp_path, gloo_loss):
     # a Slurm user's line: torchrun on each host, c10d rendezvous at the first host (MASTER_ADDR)
     torchrun = (f"torchrun --nnodes 2 --nproc_per_node 2 --rdzv-backend c10d --rdzv-id mirage "
                 f"--rdzv-endpoint $MASTER_ADDR:$MASTER_PORT {DDP}")
-    r = cluster.salloc(_mirage(tmp_path, "--", "bash", "-c", f"'{torchrun}'"), nodes=2, timeout=300, env=ENV)
+    r = cluster.salloc(_mirage(tmp_path, "--exec-mode clocked", "--", "bash", "-c", f"'{torchrun}'"), nodes=2,
+                       timeout=300, env=ENV)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-6000:]
-    assert "ddp_mlp_ok" in out and LOSS.search(out).groups() == gloo_loss
-    hosts = {e["rank"]: e["host"] for e in _events(_run_dir(tmp_path)) if e["type"] == "rank_registered"}
+    assert "ddp_mlp_ok" in out and LOSS.search(out).groups() == gloo_loss  # the clock changes no result
+    run = _run_dir(tmp_path)
+    hosts = {e["rank"]: e["host"] for e in _events(run) if e["type"] == "rank_registered"}
     assert sorted(hosts) == [0, 1, 2, 3] and set(hosts.values()) == {"h1", "h2"}
+    assert "predicted step" in r.stderr
+    # every host's ranks' traces came to the head, and the merged trace has all four
+    assert sorted(p.name for p in (run / "traces").iterdir()) == [f"rank-{r}.json" for r in range(4)]
+    assert json.loads((run / "trace.json").read_text())["mirage"]["ranks"] == [0, 1, 2, 3]
 
 
 def test_a_hang_on_host_2_is_reported_from_the_head(cluster, tmp_path):
