@@ -23,7 +23,19 @@
 // stream), the missing guard threw "PyTorch is not linked with support for
 // cuda devices" where no exception may leave, and the process aborted.
 
+//
+// And the profiler's CUDA stubs, which a CPU build leaves failing: asked to profile CUDA
+// (torch.profiler's ProfilerActivity.CUDA, the default when torch.cuda.is_available(), or
+// autograd.profiler's use_device="cuda"), a build without CUPTI times each op with CUDA events
+// through them, and torch warned "Failed to record CUDA event" with a C++ stack at every op and
+// reported no device time. An emulated GPU's kernels run on the host before the op returns, so
+// host time is what a CUDA event would measure there (as DDP's timer in comms_native.cpp).
+
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/ApproximateClock.h>
+#include <torch/csrc/profiler/stubs/base.h>
+
+#include <memory>
 
 namespace {
 
@@ -91,6 +103,43 @@ struct MirageDeviceGuard final : c10::impl::DeviceGuardImplInterface {
   c10::DeviceType type_;
 };
 
+struct MirageProfilerStubs final : torch::profiler::impl::ProfilerStubs {
+  void record(c10::DeviceIndex* device, torch::profiler::impl::ProfilerVoidEventStub* event,
+              int64_t* cpu_ns) const override {
+    if (device) {
+      *device = 0;
+    }
+    int64_t now = c10::getTime();
+    if (cpu_ns) {
+      *cpu_ns = now;
+    }
+    *event = std::make_shared<int64_t>(now);
+  }
+
+  // microseconds, as the CUDA stubs answer (cudaEventElapsedTime's milliseconds × 1000)
+  float elapsed(const torch::profiler::impl::ProfilerVoidEventStub* event,
+                const torch::profiler::impl::ProfilerVoidEventStub* event2) const override {
+    auto start = *static_cast<const int64_t*>(event->get());
+    auto end = *static_cast<const int64_t*>(event2->get());
+    return static_cast<float>(end - start) / 1000.0f;
+  }
+
+  // NVTX ranges: torch.cuda.nvtx is answered in Python (shim/cuda.py)
+  void mark(const char* /*name*/) const override {}
+  void rangePush(const char* /*name*/) const override {}
+  void rangePop() const override {}
+
+  bool enabled() const override {
+    return true;
+  }
+
+  void onEachDevice(std::function<void(int)> op) const override {
+    op(0);  // C++ sees one device (mirage:0)
+  }
+
+  void synchronize() const override {}
+};
+
 int register_for(c10::DeviceType type) {
   if (c10::impl::hasDeviceGuardImpl(type)) {
     return 0;
@@ -110,4 +159,11 @@ extern "C" int mirage_register_device_guard() {
 // 1 when this guard now answers for DeviceType::CUDA, 0 when a CUDA build has its own.
 extern "C" int mirage_register_cuda_guard() {
   return register_for(c10::DeviceType::CUDA);
+}
+
+// Make the profiler's CUDA stubs ours (a CPU build's fail at every call; a CUDA build's would be
+// replaced too, but mirage never runs on one).
+extern "C" void mirage_register_profiler_stubs() {
+  static MirageProfilerStubs stubs;  // torch keeps a pointer for the process's life
+  torch::profiler::impl::registerCUDAMethods(&stubs);
 }

@@ -62,6 +62,8 @@ def _install_guard() -> None:
         # tensors C++ sees on cuda (FakeTensors made while tracing) need a guard when autograd records
         # them; without it that aborts the process (device_guard.cpp). A CUDA build keeps its own.
         _guard_lib.mirage_register_cuda_guard()
+        # the profiler's CUDA event timing (device_guard.cpp), which a CPU build leaves failing
+        _guard_lib.mirage_register_profiler_stubs()
 
 
 def _install_inline_backward() -> None:

@@ -20,3 +20,5 @@ def test_profiler_trace_shows_every_collective(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "[0] profiler_comms_ok" in r.stdout.splitlines()
     assert "[1] [rank 1] 9 collectives in the trace" in r.stdout.splitlines()
+    # a CPU build's profiler warned at every op when asked for CUDA activity
+    assert "Failed to record CUDA event" not in r.stdout + r.stderr
