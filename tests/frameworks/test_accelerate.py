@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -44,3 +45,18 @@ def test_accelerates_own_test_script_passes_every_section(tmp_path):
     assert "**Training integration test**" in cpu_sections, c.stdout[-3000:]
     # on GPUs the script runs more sections (e.g. the CUDA-only ones); none of the CPU's may be missing
     assert cpu_sections <= set(_SECTION.findall(r.stdout)), r.stdout[-5000:]
+
+
+def test_accelerate_config_default_then_accelerate_test(tmp_path):
+    """A new user's first two commands: Accelerate writes a multi-GPU config for the 2 GPUs it sees, and its
+    ``accelerate test`` launches its test script with it and reports success."""
+    hf_home = tmp_path / "hf"
+    config = mirage_in(REPO_ROOT, tmp_path / "config", 2, "env", f"HF_HOME={hf_home}", "accelerate", "config",
+                       "default")
+    assert config.returncode == 0, config.stdout[-3000:] + config.stderr[-3000:]
+    written = json.loads((hf_home / "accelerate" / "default_config.yaml").read_text())
+    assert (written["distributed_type"], written["num_processes"]) == ("MULTI_GPU", 2), written
+    r = mirage_in(REPO_ROOT, tmp_path / "test", 2, "env", f"HF_HOME={hf_home}", "accelerate", "test")
+    assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-5000:]
+    assert "[0] Device: cuda:0" in r.stdout and "[1] Device: cuda:1" in r.stdout, r.stdout[-5000:]
+    assert "Test is a success! You are ready for your distributed training!" in r.stdout, r.stdout[-5000:]
