@@ -459,6 +459,19 @@ def _set_fraction(fraction: float, device: int) -> None:
     ALLOCATOR.devices[_index(device)].fraction = fraction
 
 
+def _record_history_legacy(enabled: bool, record_context: bool = True, trace_alloc_max_entries: int = 1,
+                           trace_alloc_record_context: bool = False, record_context_cpp: bool = False,
+                           clear_history: bool = False, *_rest) -> None:
+    """``_record_memory_history(True, ...)``, torch's older form: stacks if ``record_context``, a trace of
+    ``trace_alloc_max_entries`` entries if more than 1."""
+    if not enabled:
+        ALLOCATOR.record_history(None, clear_history=clear_history)
+    else:
+        ALLOCATOR.record_history("all" if trace_alloc_max_entries > 1 else "state",
+                                 "all" if record_context else None, "python", max(trace_alloc_max_entries, 1),
+                                 clear_history)
+
+
 def _install_memory() -> None:
     """Answer torch.cuda.memory_* (and torch.accelerator's) from the allocator model.
 
@@ -480,6 +493,10 @@ def _install_memory() -> None:
         "_accelerator_resetAccumulatedStats": lambda d=None: ALLOCATOR.reset_accumulated(_index(d)),
         "_accelerator_emptyCache": ALLOCATOR.empty_cache,
         "_accelerator_getMemoryInfo": lambda d=None: ALLOCATOR.mem_get_info(_index(d)),
+        # the memory history and snapshots (shim/memory_history.py)
+        "_cuda_record_memory_history": ALLOCATOR.record_history,
+        "_cuda_record_memory_history_legacy": _record_history_legacy,
+        "_cuda_memorySnapshot": ALLOCATOR.snapshot,
     }
     for name, fn in entry_points.items():
         setattr(C, name, fn)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import collections
 import os
+import sys
 import threading
 import time
 
@@ -23,6 +24,7 @@ import torch
 
 from shim import deferred
 from shim import device as dev
+from shim import memory_history
 
 BLOCK = 512  # the allocator rounds every request up to this
 SEGMENT = 2 << 20  # and reserves device memory in multiples of this
@@ -135,6 +137,32 @@ class Allocator:
         # lock taken: they only queue here (deque.append is atomic), and the queue is drained under it.
         self._freed: collections.deque[int] = collections.deque()
         self.version = 0  # bumped on every change, so a reporter knows when to speak
+        # what _record_memory_history recorded (kept for snapshots once stopped), and it again while it records
+        self.history: memory_history.History | None = None
+        self.recorder: memory_history.History | None = None
+
+    def record_history(self, enabled, context="all", stacks="all", max_entries=sys.maxsize, clear_history=False,
+                       *_rest) -> None:
+        """``torch._C._cuda_record_memory_history``: start (``"state"``, ``"all"``) or stop (``None``) recording."""
+        memory_history.check(enabled, context)
+        with self._lock:
+            self._drain()
+            if enabled is None:  # stopped: what was recorded stays for a snapshot, unless cleared
+                self.recorder = None
+                if clear_history:
+                    self.history = None
+            elif self.history is None:
+                self.history = self.recorder = memory_history.History(len(self.devices), enabled, context,
+                                                                      max_entries)
+            else:
+                self.history.configure(enabled, context, max_entries, clear_history)
+                self.recorder = self.history
+
+    def snapshot(self, *_args) -> dict:
+        """``torch._C._cuda_memorySnapshot``: every GPU's live blocks, and the trace recorded so far."""
+        with self._lock:
+            self._drain()
+            return memory_history.snapshot(self._live, self.history, len(self.devices))
 
     def sync(self) -> None:
         """Apply the frees queued so far (before figures are read)."""
@@ -174,6 +202,8 @@ class Allocator:
                 self._out_of_memory(d, gpu, size)
             p = 0 if size <= SMALL else 1
             self._live[key] = [gpu, size, p, 1]
+            if self.recorder is not None:
+                self.recorder.alloc(gpu, key, size, t.untyped_storage().nbytes())
             d.bytes[p] += size
             d.bytes_in[p] += size
             d.count[p] += 1
@@ -242,6 +272,8 @@ class Allocator:
                 d.count[p] -= 1
                 d.count_out[p] += 1
                 self.version += 1
+                if self.recorder is not None:
+                    self.recorder.free(gpu, key, size)
 
     @staticmethod
     def _grow_reserved(d: DeviceMemory, p: int) -> None:
@@ -292,6 +324,8 @@ class Allocator:
 
     def _out_of_memory(self, d: DeviceMemory, gpu: int, size: int) -> None:
         d.num_ooms += 1
+        if self.recorder is not None:
+            self.recorder.oom(gpu, size, max(0, d.capacity - d.reserved_total))
         error = torch.cuda.OutOfMemoryError(self._oom_message(gpu, size))
         if not deferred.in_backward():
             raise error

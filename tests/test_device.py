@@ -41,6 +41,13 @@ def test_out_of_memory_is_torchs_error_with_the_allocators_message(tmp_path):
             "capacity of 64.00 MiB of which 16.00 MiB is free.") in r.stderr, r.stderr[-2000:]
 
 
+def test_memory_history_and_snapshots_read_as_pytorchs(tmp_path):
+    r = mirage_run(tmp_path, "--in-process", "--gpus-per-node", "2", "--hbm", "64MiB", "--", "python",
+                   str(FIXTURES / "memory_snapshot.py"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "[0] memory_snapshot_ok" in r.stdout.splitlines()
+
+
 def test_ranks_report_gpu_memory_to_the_daemon(tmp_path):
     r = mirage_run(tmp_path, "--gpus-per-node", "2", "--hbm", "1GiB", "--", "torchrun", "--standalone",
                    "--nproc_per_node=2", str(FIXTURES / "ddp_mlp.py"), steps=5)
