@@ -59,7 +59,7 @@ def activate() -> None:
     # before anything that registers an exit hook: the rank's trace is written after the collectives
     # still in flight have completed (exit hooks run last registered first)
     clock.install(STATE.profile)
-    from shim import attention, autocast, cuda, deferred, fast_dispatch, mode, tensor, torch_compile
+    from shim import attention, autocast, cuda, deferred, fast_dispatch, local_comm, mode, tensor, torch_compile
 
     tensor.register_factories()
     tensor.register_foreach()
@@ -69,6 +69,7 @@ def activate() -> None:
     attention.install(tensor.MirageTensor)  # CPU kernels of CUDA-only ops, higher-order ops, SDPA's choice
     torch_compile.install()
     cuda.install()
+    local_comm.install()  # torch.cuda.comm / torch.cuda.nccl among this process's GPUs (nn.DataParallel)
     mode.install()
     from shim import c10d_patches, params, serialization, sharding, syncbn, world
 

@@ -1,9 +1,12 @@
 """The emulated GPUs as the rank sees them: how many, which is current, what they are.
 
 Read from the ``MIRAGE_*`` variables the session sets. The current device is
-process-wide rather than per-thread (CUDA's is per-thread): C++ code such as
-the autograd engine allocates on its own threads, and they must agree with the
-thread that called ``set_device``.
+the main thread's for every thread that never chose one, and a thread's own
+once it has (``set_device``, ``with torch.cuda.device(i)``), as CUDA's is:
+``nn.DataParallel`` runs each replica in a thread that moves to its GPU, and
+the main thread must stay where it was. Threads that never choose (C++ code
+such as the autograd engine allocating on its own threads) agree with the
+main thread, where a CUDA thread would start on device 0.
 """
 
 from __future__ import annotations
@@ -20,11 +23,32 @@ from emulator.profiles import Profile, load_profile
 BACKEND = "mirage"
 
 
+class _ThreadDevice(threading.local):
+    gpu: int | None = None  # a class default: reading it is an attribute hit (every factory asks)
+
+
+_thread = _ThreadDevice()
+
+
 @dataclass
 class DeviceState:
     profile: Profile
     physical: list[int]  # visible ordinal -> the node's GPU (after *_VISIBLE_DEVICES)
-    current: int = 0
+    main_current: int = 0  # the main thread's current device, and any thread's that chose none
+
+    @property
+    def current(self) -> int:
+        """This thread's current device (see the module docstring)."""
+        gpu = _thread.gpu
+        return self.main_current if gpu is None else gpu
+
+    @current.setter
+    def current(self, gpu: int) -> None:
+        if threading.current_thread() is threading.main_thread():
+            self.main_current = gpu
+        else:
+            _thread.gpu = gpu
+
     # Like CUDA's, the runtime starts on first use (a tensor, set_device, current_device):
     # DeviceMesh only picks a device from LOCAL_RANK while torch.cuda.is_initialized() is False.
     initialized: bool = False

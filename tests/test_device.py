@@ -48,6 +48,13 @@ def test_memory_history_and_snapshots_read_as_pytorchs(tmp_path):
     assert "[0] memory_snapshot_ok" in r.stdout.splitlines()
 
 
+def test_data_parallel_and_single_process_collectives_match_the_cpu(tmp_path):
+    r = mirage_run(tmp_path, "--in-process", "--gpus-per-node", "3", "--", "python",
+                   str(FIXTURES / "data_parallel.py"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "[0] data_parallel_ok" in r.stdout.splitlines()
+
+
 def test_ranks_report_gpu_memory_to_the_daemon(tmp_path):
     r = mirage_run(tmp_path, "--gpus-per-node", "2", "--hbm", "1GiB", "--", "torchrun", "--standalone",
                    "--nproc_per_node=2", str(FIXTURES / "ddp_mlp.py"), steps=5)
