@@ -553,6 +553,23 @@ def _current_stream_id(gpu: int) -> int:
     return 0 if s is None else s.stream_id
 
 
+#: CUDA/HIP graph capture is not emulated: said in one line where a program asks for it
+GRAPHS_REFUSED = ("mirage: CUDA/HIP graphs (torch.cuda.CUDAGraph, torch.cuda.graph, make_graphed_callables) "
+                  "are not emulated; run the program without graph capture")
+
+
+def _refuse_graphs() -> None:
+    """A graph's capture and replay need the device's graph runtime: refuse them naming it (a CPU build's
+    own error was "Tried to instantiate dummy base class CUDAGraph")."""
+    import torch.cuda.graphs as graphs
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError(GRAPHS_REFUSED)
+
+    graphs.CUDAGraph.__new__ = refuse
+    graphs.graph_pool_handle = torch.cuda.graph_pool_handle = refuse
+
+
 def install() -> None:
     """Replace the CPU build's ``torch.cuda`` answers with the emulated GPUs'."""
     import torch.cuda.nvtx
@@ -599,6 +616,7 @@ def install() -> None:
         setattr(c, name, fn)
     dev.ON_INITIALIZE.append(_run_queued_calls)
     _install_memory()
+    _refuse_graphs()
     rng.install()
     _record_stream = torch.Tensor.record_stream
 

@@ -55,6 +55,14 @@ def test_data_parallel_and_single_process_collectives_match_the_cpu(tmp_path):
     assert "[0] data_parallel_ok" in r.stdout.splitlines()
 
 
+def test_cuda_graphs_are_refused_naming_them(tmp_path):
+    program = "import torch\nassert not torch.cuda.is_current_stream_capturing()\ng = torch.cuda.CUDAGraph()\n"
+    r = mirage_run(tmp_path, "--in-process", "--", "python", "-c", program)
+    assert r.returncode == 1
+    assert "[0] RuntimeError: mirage: CUDA/HIP graphs (torch.cuda.CUDAGraph, torch.cuda.graph, " \
+           "make_graphed_callables) are not emulated; run the program without graph capture" in r.stderr, r.stderr
+
+
 def test_ranks_report_gpu_memory_to_the_daemon(tmp_path):
     r = mirage_run(tmp_path, "--gpus-per-node", "2", "--hbm", "1GiB", "--", "torchrun", "--standalone",
                    "--nproc_per_node=2", str(FIXTURES / "ddp_mlp.py"), steps=5)
