@@ -126,6 +126,20 @@ def test_fsdp2_matches_gloo(tmp_path):
     assert_same_figures(r.stdout, cpu, rel=1e-4)
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_parallel_schedules_match_gloo(tmp_path, schedule):
+    """torch.distributed.pipelining: a PipelineStage per rank, 4 microbatches, activations and gradients
+    crossing ranks as send/recv."""
+    gpus, steps = 2, 3
+    r = mirage_run(tmp_path, "--gpus-per-node", str(gpus), "--", "torchrun", "--standalone",
+                   f"--nproc_per_node={gpus}", str(FIXTURES / "pipeline_train.py"), "--schedule", schedule,
+                   steps=steps)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "[0] pipeline_ok" in r.stdout
+    cpu = run_on_cpu(str(FIXTURES / "pipeline_train.py"), "--schedule", schedule, nprocs=gpus, steps=steps)
+    assert_same_figures(r.stdout, cpu, rel=1e-5)
+
+
 def test_tensor_and_sequence_parallel_with_fsdp2_match_gloo(tmp_path):
     """init_device_mesh on a 2-D (dp, tp) mesh, parallelize_module (Sequence/Colwise/Rowwise/
     PrepareModuleInput) on tp, fully_shard on dp, AdamW foreach. (``--dp 1`` runs TP alone on a 1-D mesh.)"""
