@@ -198,6 +198,8 @@ class Stream(torch._C.Stream):
         return True
 
     def synchronize(self) -> None:
+        if dev.STATE.sync_debug:  # a stream's synchronize is one set_sync_debug_mode flags
+            dev.synchronizing()
         if clock.CLOCK is not None:
             clock.CLOCK.host_wait(clock.CLOCK.stream_time(self._gpu, self.stream_id))
 
@@ -459,6 +461,14 @@ def _set_fraction(fraction: float, device: int) -> None:
     ALLOCATOR.devices[_index(device)].fraction = fraction
 
 
+def _set_sync_debug_mode(mode: int) -> None:
+    """``torch.cuda.set_sync_debug_mode``: 0, or warn (1) / raise (2) where an op waits for the GPU
+    (``shim/tensor.py``'s ``_synchronizes``, ``.tolist()``, ``Stream.synchronize()``)."""
+    if mode not in (0, 1, 2):
+        raise RuntimeError("invalid value of debug_mode, expected one of 0, 1, 2")
+    dev.STATE.sync_debug = mode
+
+
 def _record_history_legacy(enabled: bool, record_context: bool = True, trace_alloc_max_entries: int = 1,
                            trace_alloc_record_context: bool = False, record_context_cpp: bool = False,
                            clear_history: bool = False, *_rest) -> None:
@@ -493,6 +503,8 @@ def _install_memory() -> None:
         "_accelerator_resetAccumulatedStats": lambda d=None: ALLOCATOR.reset_accumulated(_index(d)),
         "_accelerator_emptyCache": ALLOCATOR.empty_cache,
         "_accelerator_getMemoryInfo": lambda d=None: ALLOCATOR.mem_get_info(_index(d)),
+        "_cuda_set_sync_debug_mode": _set_sync_debug_mode,
+        "_cuda_get_sync_debug_mode": lambda: dev.STATE.sync_debug,
         # the memory history and snapshots (shim/memory_history.py)
         "_cuda_record_memory_history": ALLOCATOR.record_history,
         "_cuda_record_memory_history_legacy": _record_history_legacy,

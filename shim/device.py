@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -35,6 +36,8 @@ class DeviceState:
     profile: Profile
     physical: list[int]  # visible ordinal -> the node's GPU (after *_VISIBLE_DEVICES)
     main_current: int = 0  # the main thread's current device, and any thread's that chose none
+    # torch.cuda.set_sync_debug_mode: 0 off, 1 warn, 2 error on an operation that waits for the GPU
+    sync_debug: int = 0
 
     @property
     def current(self) -> int:
@@ -88,6 +91,15 @@ def _from_env() -> DeviceState:
 STATE = _from_env()
 #: run once, on the first use of a GPU (torch.cuda's queued lazy calls, e.g. seeds set before it)
 ON_INITIALIZE: list = []
+
+
+def synchronizing() -> None:
+    """An operation that waits for the GPU ran while ``set_sync_debug_mode`` asks to hear of it: warn or raise,
+    with c10's words (``warn_or_error_on_sync``)."""
+    if STATE.sync_debug == 2:
+        raise RuntimeError("called a synchronizing CUDA operation")
+    if STATE.sync_debug == 1:
+        warnings.warn("called a synchronizing CUDA operation", stacklevel=3)
 
 
 def initialize() -> None:

@@ -82,6 +82,8 @@ class MirageTensor(torch.Tensor):
     def __repr__(self, *, tensor_contents=None) -> str:
         # format the CPU data; torch then appends device='cuda:i' and grad_fn as usual
         if tensor_contents is None:
+            if dev.STATE.sync_debug:  # printing copies the data to the host
+                dev.synchronizing()
             tensor_contents = torch._tensor_str._tensor_str(self._elem.detach(), len("tensor("))
         text = torch._tensor_str._str(self, tensor_contents=tensor_contents)
         text = text.replace(f"{type(self).__name__}(", "tensor(", 1)
@@ -91,6 +93,8 @@ class MirageTensor(torch.Tensor):
         return text
 
     def tolist(self):
+        if dev.STATE.sync_debug:
+            dev.synchronizing()
         return self._elem.tolist()
 
     def numpy(self, *, force: bool = False):
@@ -147,6 +151,11 @@ class MirageTensor(torch.Tensor):
 # (a _Plan) and found again with one dict lookup. Most ops then take _fast: their positional arguments
 # are tensors or hold none, and only those positions are unwrapped.
 _PLAIN, _TO, _DROPOUT, _DROPOUT_BACKWARD, _COLLECTIVE, _KERNEL, _RANDOM = range(7)
+#: ops that wait for the GPU to hand a value or a size to the host (what set_sync_debug_mode flags; D2H copies
+#: and boolean-mask indexing are told apart by their arguments, in _synchronizes)
+_SYNCING = {_aten._local_scalar_dense.default, _aten.nonzero.default, _aten.masked_select.default,
+            _aten._unique2.default, _aten.unique_dim.default, _aten.unique_consecutive.default,
+            _aten.repeat_interleave.Tensor}
 #: schema types that never hold a tensor or a device (SymInt is IntType here)
 _NO_TENSOR = {"IntType", "BoolType", "NumberType", "FloatType", "StringType", "ComplexType", "GeneratorType",
               "AnyEnumType"}
@@ -194,7 +203,8 @@ class _Plan:
         self.view = bool(getattr(func, "is_view", False))
         slots = [_tensor_slot(a.type) for a in func._schema.arguments if not a.kwarg_only]
         self.tensors = tuple(i for i, slot in enumerate(slots) if slot)
-        self.fast = self.kind == _PLAIN and None not in slots
+        # an op that waits for the GPU takes the general path, where set_sync_debug_mode is honoured
+        self.fast = self.kind == _PLAIN and None not in slots and func not in _SYNCING
 
 
 _PLANS: dict[int, _Plan] = {}
@@ -259,6 +269,8 @@ def _dispatch(func, plan: _Plan, args, kwargs):
             raise RuntimeError(
                 f"Expected all tensors to be on the same device, but found at least two devices, cuda:{gpu} and cpu!"
             )
+    if dev.STATE.sync_debug and inputs and _synchronizes(func, args, kwargs):
+        dev.synchronizing()
     override = dev.allocation_override()
     out_gpu = override if override is not None else gpu if gpu is not None else dev.STATE.current
     kind = plan.kind
@@ -283,6 +295,21 @@ def _dispatch(func, plan: _Plan, args, kwargs):
 
 
 _CPU = torch.device("cpu")
+
+
+def _synchronizes(func, args, kwargs) -> bool:
+    """Whether this call waits for the GPU on a GPU build (a value, a size or the data handed to the host)."""
+    if func in _SYNCING:
+        return func is not _aten.repeat_interleave.Tensor or not (kwargs or {}).get("output_size")
+    non_blocking = (kwargs or {}).get("non_blocking", False)
+    if func in _LEAVING_OPS:  # to the host, unless non_blocking
+        target = args[1] if func is _aten.to.device else (kwargs or {}).get("device")
+        return target is not None and target.type == "cpu" and not non_blocking
+    if func is _aten.copy_.default:  # into a host tensor
+        return not isinstance(args[0], MirageTensor) and not (args[2] if len(args) > 2 else non_blocking)
+    if func is _aten.index.Tensor:  # a boolean mask's size is the number of its True elements
+        return any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1])
+    return False
 
 
 def _unwrap(items, inputs: list, cpus: list) -> list:

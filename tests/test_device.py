@@ -55,6 +55,12 @@ def test_data_parallel_and_single_process_collectives_match_the_cpu(tmp_path):
     assert "[0] data_parallel_ok" in r.stdout.splitlines()
 
 
+def test_sync_debug_mode_flags_what_waits_for_the_gpu(tmp_path):
+    r = mirage_run(tmp_path, "--in-process", "--", "python", str(FIXTURES / "sync_debug.py"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "[0] sync_debug_ok" in r.stdout.splitlines()
+
+
 def test_cuda_graphs_are_refused_naming_them(tmp_path):
     program = "import torch\nassert not torch.cuda.is_current_stream_capturing()\ng = torch.cuda.CUDAGraph()\n"
     r = mirage_run(tmp_path, "--in-process", "--", "python", "-c", program)
