@@ -27,3 +27,11 @@ def test_fsdp2_over_dp_with_tensor_parallel_over_tp_on_four_gpus(tmp_path):
                    str(FIXTURES / "fsdp_tp_2d.py"), steps=2)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "[0] fsdp_tp_2d_ok" in r.stdout.splitlines()
+
+
+def test_context_parallel_ring_attention_matches_the_unsharded_block(tmp_path):
+    r = mirage_run(tmp_path, "--gpus-per-node", "2", "--", "torchrun", "--standalone", "--nproc_per_node=2",
+                   str(FIXTURES / "context_parallel.py"), steps=2)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "[0] context_parallel_ok" in r.stdout.splitlines()
+    assert "[0] step 1: loss" in r.stdout
