@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shim import clock, rng
+from shim import clock, graphs, rng
 from shim import device as dev
 from shim.memory import ALLOCATOR
 
@@ -204,7 +204,7 @@ class Stream(torch._C.Stream):
             clock.CLOCK.host_wait(clock.CLOCK.stream_time(self._gpu, self.stream_id))
 
     def is_capturing(self) -> bool:
-        return False  # no CUDA/HIP graphs here
+        return graphs.capturing()  # a capture is the capturing thread's (shim/graphs.py)
 
     def native_handle(self) -> int:
         return self.cuda_stream
@@ -565,23 +565,6 @@ def _current_stream_id(gpu: int) -> int:
     return 0 if s is None else s.stream_id
 
 
-#: CUDA/HIP graph capture is not emulated: said in one line where a program asks for it
-GRAPHS_REFUSED = ("mirage: CUDA/HIP graphs (torch.cuda.CUDAGraph, torch.cuda.graph, make_graphed_callables) "
-                  "are not emulated; run the program without graph capture")
-
-
-def _refuse_graphs() -> None:
-    """A graph's capture and replay need the device's graph runtime: refuse them naming it (a CPU build's
-    own error was "Tried to instantiate dummy base class CUDAGraph")."""
-    import torch.cuda.graphs as graphs
-
-    def refuse(*args, **kwargs):
-        raise RuntimeError(GRAPHS_REFUSED)
-
-    graphs.CUDAGraph.__new__ = refuse
-    graphs.graph_pool_handle = torch.cuda.graph_pool_handle = refuse
-
-
 def install() -> None:
     """Replace the CPU build's ``torch.cuda`` answers with the emulated GPUs'."""
     import torch.cuda.nvtx
@@ -614,7 +597,6 @@ def install() -> None:
         "set_stream": set_stream,
         "stream": stream,
         "StreamContext": stream,
-        "is_current_stream_capturing": lambda: False,
         # amd-smi's figures (a CPU build has no amdsmi to ask)
         "utilization": SMI.utilization,
         "memory_usage": SMI.utilization,  # memory activity: the same busy share
@@ -628,7 +610,7 @@ def install() -> None:
         setattr(c, name, fn)
     dev.ON_INITIALIZE.append(_run_queued_calls)
     _install_memory()
-    _refuse_graphs()
+    graphs.install()  # CUDA graphs: capture records the ops, replay runs them again (shim/graphs.py)
     rng.install()
     _record_stream = torch.Tensor.record_stream
 

@@ -31,7 +31,7 @@ from shim import client as cl
 from shim import comm_stream as stream
 from shim import comms_profiler as prof
 from shim import device as dev
-from shim import fault_injection
+from shim import fault_injection, graphs
 from shim.call_forms import c10d_forms
 from shim.call_site import call_site
 from shim.comm_stream import Pending, P2PWork
@@ -277,6 +277,7 @@ class MirageProcessGroup(dist.ProcessGroup):
         the tensor while the collective runs, as a GPU does.
         Returns the posted collective, or None when there is nothing to wait for.
         """
+        graphs.refuse_collective()  # not a kernel on a stream: a graph's replay would not run it
         if self._is_default and fault_injection.pending() and fault_injection.inject(self._comm.seq + 1):
             return None  # skipped: this rank's code "never called" it, so its sequence number stays
         call = Call(op, inputs, out_numel, dtype, deliver, reduce_op, root,
@@ -465,6 +466,7 @@ class MirageProcessGroup(dist.ProcessGroup):
     def _p2p(self, op: s.CollOp, tensor: torch.Tensor, peer: int) -> P2PWork:
         if self._in_process:
             raise dist.DistBackendError(IN_PROCESS_MESSAGE)
+        graphs.refuse_collective()
         elem = _flat(tensor)
         key = (op, peer)
         self._p2p_seq[key] = n = self._p2p_seq.get(key, 0) + 1
