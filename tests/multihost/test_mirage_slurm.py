@@ -74,13 +74,16 @@ def _ours_left(c: Cluster, session: str) -> list[str]:
 def gloo_loss():
     """The loss line of the same program on 4 CPU ranks with gloo (torchrun, no mirage)."""
     env = dict(os.environ, DDP_MLP_BACKEND="gloo", DDP_MLP_DEVICE="cpu", OMP_NUM_THREADS="1")
-    for _ in range(2):  # plain CPU torch sometimes aborts at exit ("terminate called without an active
-        # exception"), as the framework references retry too
+    for _ in range(3):
         r = subprocess.run([str(VENV_BIN / "torchrun"), "--standalone", "--nproc_per_node=4", str(DDP)],
                            capture_output=True, text=True, timeout=300, env=env)
-        if r.returncode == 0 or "terminate called without an active exception" not in r.stderr:
+        # Plain CPU torch with gloo sometimes aborts at exit, after the training and its checks are done
+        # ("terminate called without an active exception", twice in a row in one CI run): what it
+        # computed is still the reference.
+        done = "ddp_mlp_ok" in r.stdout and LOSS.search(r.stdout)
+        if r.returncode == 0 or done and "terminate called without an active exception" in r.stderr:
             break
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert "ddp_mlp_ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
     return LOSS.search(r.stdout).groups()
 
 
