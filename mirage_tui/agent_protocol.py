@@ -22,6 +22,11 @@ TYPES: dict[str, type[AgentMessage]] = {}
 HEARTBEAT_S = 0.5
 #: A peer silent this long is gone: the agent stops its programs, the session ends the run naming the host.
 SILENCE_S = 5.0
+#: The variable every process started for a host carries (its host's name): the agent's sweep at the end finds
+#: them by it, and ``mirage exec`` knows from a node's environment which host to run a probe on.
+HOST_TAG = "MIRAGE_AGENT_HOST"
+#: Beside it in a remote node's environment file: the host's index in the allocation (``srun --relative``).
+SLURM_INDEX = "MIRAGE_SLURM_NODE"
 
 
 class ProtocolError(ValueError):

@@ -38,8 +38,8 @@ from mirage_tui import diagnosis, netif
 from mirage_tui.output import RankTail, pump_pipe
 from mirage_tui.processes import StartError, free_port, kill_carrying, signal_group, spawn, terminate
 
-#: The variable every process the agent starts inherits: its sweep at the end finds them by it.
-HOST_TAG = "MIRAGE_AGENT_HOST"
+#: Every process the agent starts carries it: its sweep at the end finds them by it.
+HOST_TAG = ap.HOST_TAG
 #: A trace travels in parts of this many characters (the head takes messages up to 64 MiB).
 TRACE_PART_CHARS = 4 << 20
 

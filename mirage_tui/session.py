@@ -400,6 +400,9 @@ class Session:
         for h, agent in enumerate(agents):
             processes = []
             for node in range(h * per_host, (h + 1) * per_host):
+                # for 'mirage exec SESSION --node N', which runs a probe on the node's host through srun
+                sessions.write_node_env(self.run.path, node, {**self.node_env(node, port), ap.HOST_TAG: agent.host,
+                                                              ap.SLURM_INDEX: str(agent.hello.slurm_node)})
                 if nproc is None:
                     processes.append(ap.Process(node, None, self.node_env(node, port)))
                 else:

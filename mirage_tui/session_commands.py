@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import socket
 import subprocess
 import sys
 import time
 
+from mirage_tui import agent_protocol as ap
 from mirage_tui import cleanup, sessions
 from mirage_tui.topology import CommandNotFound, UsageError
 
@@ -92,11 +94,22 @@ def clean_up(dry_run: bool) -> int:
     return 1 if failed else 0
 
 
+def _on_host(env: dict[str, str], host: str, command: tuple[str, ...]) -> list[str]:
+    """``command`` as a step of the run's Slurm job on ``host`` (a node of a ``--launcher slurm`` run there):
+    ``srun --overlap`` beside the job's own steps, with the node's environment (``--export=ALL``)."""
+    job, index = env.get("SLURM_JOB_ID"), env.get(ap.SLURM_INDEX)
+    if not job or index is None:
+        raise UsageError(f"this node runs on {host}, and its environment names no Slurm job to reach it through")
+    return ["srun", f"--jobid={job}", "--overlap", "--nodes=1", "--ntasks=1", f"--relative={index}",
+            "--export=ALL", "--quiet", *command]
+
+
 def exec_in(what: str, node: int, command: tuple[str, ...] | None) -> int:
     """Run ``command`` in node ``node``'s environment of the live session ``what``; its exit code.
 
     It sees the node's emulated GPUs (``torch.cuda``), its run directory and variables, as a process
-    the node started would; ``MIRAGE_EXEC=1`` makes ``init_process_group`` refuse: it is not a rank.
+    the node started would; ``MIRAGE_EXEC=1`` makes ``init_process_group`` refuse: it is not a rank. A node
+    on another host of a ``--launcher slurm`` run is reached with ``srun`` inside the run's job.
     """
     if not command:
         raise UsageError("'mirage exec SESSION [--node N] -- COMMAND [ARGS...]' needs a command after --")
@@ -105,6 +118,9 @@ def exec_in(what: str, node: int, command: tuple[str, ...] | None) -> int:
     env["MIRAGE_EXEC"] = "1"
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "LOCAL_WORLD_SIZE"):  # not one of the ranks
         env.pop(key, None)
+    host = env.get(ap.HOST_TAG)
+    if host is not None and host != socket.gethostname():
+        command = _on_host(env, host, command)
     try:
         return subprocess.run(list(command), env=env, cwd=os.getcwd()).returncode
     except (FileNotFoundError, PermissionError) as e:

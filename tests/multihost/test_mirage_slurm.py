@@ -171,12 +171,20 @@ def test_a_killed_host_ends_the_run_naming_it(multihost_ready, tmp_path):
         print(f"killed host: the run ended {took:.1f} s after h2 died")
 
 
-def test_ctrl_c_on_the_head_stops_every_host(cluster, tmp_path):
+def test_exec_on_each_host_then_ctrl_c_on_the_head_stops_every_host(cluster, tmp_path):
     job = cluster.popen(["salloc", "-N", "2", "bash", "-c",
                          _mirage(tmp_path, "--nproc-per-node 2", "--", "python", str(DDP), env="STEPS=1000000")],
                         env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         session = _training(cluster, tmp_path)
+        # a probe in each node's environment, on that node's host (through srun, inside the job)
+        probe = ("import socket, torch; print('probe', socket.gethostname(), torch.cuda.device_count(), "
+                 "torch.cuda.get_device_name(0))")
+        for node, host in ((0, "h1"), (1, "h2")):
+            r = cluster.run(["mirage", "exec", session["session"], "--node", str(node), "--", "python", "-c", probe],
+                            env=ENV, timeout=120)
+            assert r.returncode == 0, r.stdout + r.stderr
+            assert f"probe {host} 2 AMD Instinct MI350X" in r.stdout, r.stdout + r.stderr
         os.kill(session["pid"], signal.SIGINT)  # what Ctrl-C in mirage's terminal sends it
         stopped = time.monotonic()
         out, err = job.communicate(timeout=60)
