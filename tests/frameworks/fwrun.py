@@ -93,7 +93,7 @@ def on_cpu(*command: str, steps: int | None = None, extra_env: dict[str, str] | 
            timeout: float = 280) -> dict:
     """Run COMMAND plainly (no mirage: CPU tensors, gloo); it must exit 0. Returns its RESULT.
 
-    Tried twice: this is the reference, not what is under test, and plain torch on the CPU
+    Tried three times: this is the reference, not what is under test, and plain torch on the CPU
     sometimes aborts at exit after a finished run ("terminate called without an active exception").
     """
     env = framework_env()
@@ -101,14 +101,14 @@ def on_cpu(*command: str, steps: int | None = None, extra_env: dict[str, str] | 
         env["STEPS"] = str(steps)
     env.update(extra_env or {})
     outs = []
-    for _ in range(2):
+    for _ in range(3):
         r = subprocess.run(list(command), cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
         if r.returncode == 0:
             res = result(r.stdout)
             assert res["device"].startswith("cpu"), res
             return res
         outs.append(r.stdout[-3000:] + r.stderr[-3000:])
-    raise AssertionError("the CPU + gloo reference failed twice:\n" + "\n----\n".join(outs))
+    raise AssertionError("the CPU + gloo reference failed three times:\n" + "\n----\n".join(outs))
 
 
 def assert_same_training(gpu: dict, cpu: dict, rel: float = 1e-4) -> None:
