@@ -29,7 +29,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from shim.tensor import _SYNCING, MirageTensor, _synchronizes
+from shim.tensor import MirageTensor, _synchronizes
 
 #: what a GPU build says when a capturing stream is asked to wait
 NOT_PERMITTED = ("CUDA error: operation not permitted when stream is capturing\n"
@@ -79,8 +79,7 @@ class _Recorder(TorchDispatchMode):
         g = self.graph
         if func.namespace.startswith("_c10d_functional"):
             raise RuntimeError(COLLECTIVE_REFUSED)
-        if (func in _SYNCING or _synchronizes(func, args, kwargs)) and any(
-                isinstance(t, MirageTensor) for t in _tensors((args, kwargs))):
+        if _synchronizes(func, args, kwargs) and any(isinstance(t, MirageTensor) for t in _tensors((args, kwargs))):
             raise RuntimeError(NOT_PERMITTED)
         for t in _written(func, args, kwargs):
             if isinstance(t, MirageTensor) and id(t) not in g._made:
