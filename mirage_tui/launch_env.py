@@ -46,7 +46,7 @@ def node_env(where: RankEnvironment, node: int, master_port: int) -> dict[str, s
     if topo.clear_env:
         env = kept_env(dict(os.environ))
     else:
-        env = {k: v for k, v in os.environ.items() if k != "MIRAGE_RANK_PID"}
+        env = {k: v for k, v in os.environ.items() if k not in ("MIRAGE_RANK_PID", "MIRAGE_CLAIMED_RANK")}
     if topo.num_nodes > 1 and topo.nproc_per_node is None:
         env.update(RANK=str(node), WORLD_SIZE=str(topo.num_nodes), LOCAL_RANK="0")
     env.update(

@@ -6,7 +6,11 @@ Run from ``sitecustomize`` before any user code. A process is one of:
 - a rank (the first non-agent Python process of a node, or a torchrun worker):
   its output goes to the rank files, and torch is emulated once imported (the
   rank ``--debug-rank`` names waits for a debugger first: ``shim.debugger``);
-- a descendant of a rank (DataLoader workers, ``mp.spawn`` children): torch is
+- a rank another launcher started inside a rank's process (``accelerate
+  launch``'s torchrun workers: ``RANK``; Lightning's children on one node:
+  ``LOCAL_RANK``; either not the rank their parent claimed): a rank from the
+  start, as a torchrun worker;
+- another descendant of a rank (DataLoader workers, ``mp.spawn`` children): torch is
   emulated, output stays with the rank that started it until it forms a world
   of its own (``shim.world`` then claims the rank ``init_process_group`` gives it).
 """
@@ -80,6 +84,21 @@ def _after_torch(then) -> None:
         sys.meta_path.insert(0, _AfterTorch(then))
 
 
+def _launched_rank() -> int | None:
+    """The rank of a rank's descendant that a launcher started as another rank; None for any other descendant.
+
+    torchrun run inside a rank's process (``accelerate launch`` does) gives its workers ``RANK``; Lightning
+    gives its children ``LOCAL_RANK`` (no ``RANK``), which on a one-node run is the rank. DataLoader workers
+    and ``mp.spawn`` children inherit their parent's (the rank it claimed) or none.
+    """
+    rank = os.environ.get("RANK")
+    if rank is None and os.environ.get("MIRAGE_NUM_NODES", "1") == "1":
+        rank = os.environ.get("LOCAL_RANK")
+    if rank is None or not rank.isdigit() or rank == os.environ.get(registration.CLAIMED):
+        return None
+    return int(rank)
+
+
 def boot() -> None:
     """Entry point from sitecustomize."""
     if is_torchrun_agent(sys.orig_argv):
@@ -89,11 +108,13 @@ def boot() -> None:
         # 'mirage exec': a probe beside the job, not a rank: its output is its own, it claims no rank
         _after_torch(_activate)
         return
-    if "MIRAGE_RANK_PID" not in os.environ:
+    child = _launched_rank() if "MIRAGE_RANK_PID" in os.environ else None
+    if "MIRAGE_RANK_PID" not in os.environ or child is not None:
         os.environ["MIRAGE_RANK_PID"] = str(os.getpid())
         from shim.output import arm_stack_dumps, capture
 
-        rank = registration.RANK = int(os.environ.get("RANK", "0"))
+        rank = registration.RANK = int(os.environ.get("RANK", "0")) if child is None else child
+        os.environ[registration.CLAIMED] = str(rank)
         capture(os.environ["MIRAGE_RUN_DIR"], rank)
         arm_stack_dumps(os.environ["MIRAGE_RUN_DIR"], rank)
         if os.environ.get("MIRAGE_DEBUG_RANK") == str(rank):  # --debug-rank: stop before the program runs

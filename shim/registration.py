@@ -8,6 +8,9 @@ import socket
 #: The rank this process claimed: at start-up ($RANK, else 0; ``shim.bootstrap``), or when it
 #: formed a world of its own (``shim.world``); None for a descendant of a rank that has not.
 RANK: int | None = None
+#: The variable a rank's process sets to the rank it claimed: its descendants inherit it (shim.bootstrap
+#: tells a launcher's child for another local rank from a DataLoader worker by it)
+CLAIMED = "MIRAGE_CLAIMED_RANK"
 
 
 def register_rank(rank: int) -> None:

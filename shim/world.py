@@ -118,6 +118,7 @@ def _claim(rank: int) -> None:
         return
     registration.RANK = rank
     os.environ["MIRAGE_RANK_PID"] = pid  # its own children (DataLoader workers) are its descendants
+    os.environ[registration.CLAIMED] = str(rank)
     run_dir = os.environ["MIRAGE_RUN_DIR"]
     capture(run_dir, rank)
     arm_stack_dumps(run_dir, rank)

@@ -25,6 +25,8 @@ def test_lightning_ddp_on_two_gpus_matches_cpu_gloo(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "[0] [rank 0] trained on cuda:0 with nccl" in r.stdout
     assert "[1] [rank 1] trained on cuda:1 with nccl" in r.stdout  # the rank Lightning started, named as itself
+    # ... from its first line, before its init_process_group (Lightning logs to stderr)
+    assert "[1] Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in r.stderr.splitlines(), r.stderr[-3000:]
     gpu = result(r.stdout)
     assert gpu["device"] == "cuda:0" and gpu["world"] == 2 and gpu["final"] < gpu["first"]
     cpu = _on_cpu("ddp")
