@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shim import clock, graphs, rng
+from shim import clock, graphs, rng, tunable
 from shim import device as dev
 from shim.memory import ALLOCATOR
 
@@ -503,6 +503,8 @@ def _install_memory() -> None:
         "_accelerator_resetAccumulatedStats": lambda d=None: ALLOCATOR.reset_accumulated(_index(d)),
         "_accelerator_emptyCache": ALLOCATOR.empty_cache,
         "_accelerator_getMemoryInfo": lambda d=None: ALLOCATOR.mem_get_info(_index(d)),
+        "_cuda_getAllocatorBackend": lambda: "native",  # PYTORCH_CUDA_ALLOC_CONF's default backend
+        "_cuda_ipc_collect": lambda: None,  # no CUDA IPC handles: nothing to release
         "_cuda_set_sync_debug_mode": _set_sync_debug_mode,
         "_cuda_get_sync_debug_mode": lambda: dev.STATE.sync_debug,
         # the memory history and snapshots (shim/memory_history.py)
@@ -611,6 +613,7 @@ def install() -> None:
     dev.ON_INITIALIZE.append(_run_queued_calls)
     _install_memory()
     graphs.install()  # CUDA graphs: capture records the ops, replay runs them again (shim/graphs.py)
+    tunable.install()  # TunableOp's settings, nothing tuned (shim/tunable.py)
     rng.install()
     _record_stream = torch.Tensor.record_stream
 

@@ -67,6 +67,14 @@ def test_cuda_graphs_capture_and_replay_as_on_a_gpu(tmp_path):
     assert "[0] cuda_graphs_ok" in r.stdout.splitlines()
 
 
+def test_tunableop_settings_answer_as_on_rocm_and_nothing_is_tuned(tmp_path):
+    r = mirage_run(tmp_path, "--in-process", "--env", "PYTORCH_TUNABLEOP_ENABLED=1", "--env",
+                   "PYTORCH_TUNABLEOP_MAX_TUNING_ITERATIONS=7", "--", "python", str(FIXTURES / "tunableop.py"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "[0] tunableop_ok" in r.stdout.splitlines()
+    assert r.stderr.count("mirage: TunableOp is on, and tunes nothing on the emulated GPUs") == 1, r.stderr
+
+
 def test_a_collective_inside_a_cuda_graph_capture_is_refused_naming_it(tmp_path):
     program = ("import tempfile, torch, torch.distributed as dist\n"
                "dist.init_process_group('nccl', init_method=f'file://{tempfile.mkdtemp()}/s', rank=0, world_size=1)\n"
