@@ -94,14 +94,14 @@ def _kineto_event(event: tuple, correlation: int) -> dict | None:
     return {"ph": "X", "cat": cat, "name": name, "pid": device, "tid": stream, "ts": ts, "dur": dur, "args": kargs}
 
 
-def _host_events(events: list[tuple], kernels: list[dict], steps, pid: int) -> list[dict]:
-    """The host thread's side of a rank's trace: ``ProfilerStep#N`` annotations, and the launch of each
-    of ``kernels`` (the Kineto events made of ``events``, in order) at the time the host issued it."""
+def _host_events(launched: list[tuple[tuple, dict]], steps, pid: int) -> list[dict]:
+    """The host thread's side of a rank's trace: ``ProfilerStep#N`` annotations, and for each
+    ``(event, kernel)`` of ``launched`` (a clock event and the Kineto event made of it) the kernel's
+    launch, at the time the host issued it."""
     host = [{"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{n}", "pid": pid, "tid": pid,
              "ts": _us(a), "dur": max(round(_us(b) - _us(a), 3), 0.0), "args": {}}
             for n, a, b in steps if math.isfinite(a) and math.isfinite(b)]
-    usable = (e for e in events if math.isfinite(e[4]) and math.isfinite(e[5]))
-    for event, kernel in zip(usable, kernels):
+    for event, kernel in launched:
         issued = event[7]
         ts = min(_us(issued), kernel["ts"]) if math.isfinite(issued) else kernel["ts"]
         host.append({"ph": "X", "cat": "cuda_runtime", "name": _LAUNCH.get(event[0], "hipLaunchKernel"),
@@ -160,6 +160,7 @@ def write_rank_trace(path: str, *, rank: int, world_size: int, profile: str, dev
     """
     host_pid = os.getpid() if host_pid is None else host_pid
     kineto: list[dict] = []
+    launched: list[tuple[tuple, dict]] = []  # (event, its Kineto event): the host's launch of each
     streams: dict[tuple[int, int], bool] = {}  # (device, stream) -> whether it carries collectives
     unusable = 0
     for i, event in enumerate(events):
@@ -168,6 +169,7 @@ def write_rank_trace(path: str, *, rank: int, world_size: int, profile: str, dev
             unusable += 1
             continue
         kineto.append(e)
+        launched.append((event, e))
         key = (e["pid"], e["tid"])
         streams[key] = streams.get(key, False) or event[0] == "comm"
     devices = sorted({d for d, _ in streams})
@@ -179,7 +181,7 @@ def write_rank_trace(path: str, *, rank: int, world_size: int, profile: str, dev
     for (d, s), comm in sorted(streams.items()):
         meta += [_meta("thread_name", d, s, {"name": f"stream {s}" + (" (collectives)" if comm else "")}),
                  _meta("thread_sort_index", d, s, {"sort_index": s})]
-    host = _host_events(events, kineto, steps, host_pid)
+    host = _host_events(launched, steps, host_pid)
     meta += [_meta("process_name", host_pid, 0, {"name": "host"}),
              _meta("thread_name", host_pid, host_pid, {"name": "host"})]
     header = {
