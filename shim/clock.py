@@ -154,7 +154,10 @@ class Clock:
             if gpu is None:
                 gpu = g
             if ready_at:
-                t = ready_at.get(a._elem.untyped_storage().data_ptr())
+                try:
+                    t = ready_at.get(a._elem.untyped_storage().data_ptr())
+                except RuntimeError:  # a storage torch invalidated (DTensor's chunk-and-cat views): no collective wrote it
+                    continue
                 if t is not None and t > deps:
                     deps = t
         if gpu is None:
