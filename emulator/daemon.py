@@ -73,6 +73,8 @@ _UNTIMED = Timing(0.0, 0.0, "")
 #: request frames between ``schema.MAX_MESSAGE_BYTES`` and this get an error reply. Data frames
 #: (the socket transport) may be this big.
 MAX_FRAME_BYTES = s.MAX_DATA_FRAME_BYTES
+#: What CURVE adds to a message on the wire (its MESSAGE command, nonce, flags and MAC: 33 bytes), rounded up.
+CURVE_BOX_BYTES = 64
 ONE_FRAME = "malformed request: expected one frame (data frames follow only a socket-transport collective)"
 
 
@@ -98,6 +100,10 @@ def listen_tcp(sock: zmq.Socket, address: str, secret_key_file: str) -> str:
     """
     with open(secret_key_file, "rb") as f:
         secret = f.read().strip()
+    # libzmq checks a message's size as it arrives, and over CURVE that is the box around it: a full data
+    # frame is bigger there than its bytes, and the daemon's limit would drop the rank's connection, its
+    # collective lost with it (the frames' sizes are checked exactly once decrypted, in ``_payload``)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + CURVE_BOX_BYTES)
     sock.curve_secretkey = secret
     sock.curve_publickey = zmq.curve_public(secret)
     sock.curve_server = True

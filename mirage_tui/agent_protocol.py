@@ -69,6 +69,14 @@ class Output(AgentMessage):
 
 
 @dataclass(frozen=True)
+class DaemonEvents(AgentMessage):
+    """Events of the host's own daemon (its communicators inside the host), each encoded as in ``events.jsonl``."""
+
+    TYPE: ClassVar[str] = "daemon_events"
+    lines: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class Exited(AgentMessage):
     """Process ``index`` of the host's :class:`Launch` (pid ``pid``) ended with ``returncode``."""
 

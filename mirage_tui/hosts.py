@@ -36,6 +36,10 @@ from mirage_tui.processes import signal_group
 HELLO_TIMEOUT_S = 60.0
 #: How long a host has to answer a stack dump.
 STACKS_TIMEOUT_S = 4.0
+#: What a host's daemon speaks for: its communicators (all inside the host) and what it found in them. The
+#: ranks themselves (registered, gone), their memory and steps are the head's daemon's to report, once.
+HOST_DAEMON_EVENTS = (s.CommJoined, s.CollectiveEnqueued, s.CollectiveStarted, s.CollectiveProgress,
+                      s.CollectiveCompleted, s.CommFailed, s.HangDetected, s.StragglerWarning, s.ProtocolError)
 
 
 class HostsError(Exception):
@@ -94,7 +98,7 @@ class Hosts:
     """The session's agents: start them, wait for them, talk to them (see the module docstring)."""
 
     def __init__(self, address: str, secret_key: bytes, token: str, session: str, run_dir: str,
-                 emit: Callable[[s.Event], None], on_rank_gone: Callable[[str, int, int], None]):
+                 emit: Callable[[s.Event, bytes | None], None], on_rank_gone: Callable[[str, int, int], None]):
         self.token = token
         self.traces_dir = os.path.join(run_dir, kineto_trace.TRACES_DIR)
         self.session = session
@@ -124,15 +128,16 @@ class Hosts:
 
     # ------------------------------------------------------------ start
 
-    def start(self, hosts: int, env: dict[str, str], log_path: str) -> list[Agent]:
-        """Start one agent per host with srun; return them in Slurm's node order once each said hello."""
+    def start(self, hosts: int, env: dict[str, str], log_path: str, daemon_args: list[str]) -> list[Agent]:
+        """Start one agent per host with srun (each starts its host's daemon with ``daemon_args``); return them
+        in Slurm's node order once each said hello."""
         env = dict(env, MIRAGE_AGENT_BUS=self.endpoint, MIRAGE_SERVER_KEY=self.public_key.decode(),
                    MIRAGE_TOKEN=self.token, MIRAGE_SESSION=self.session)
         log = open(log_path, "ab")
         try:
             self.srun = subprocess.Popen(
                 ["srun", f"--nodes={hosts}", f"--ntasks={hosts}", "--ntasks-per-node=1", "--kill-on-bad-exit=0",
-                 f"--job-name=mirage-{self.session}", sys.executable, "-m", "mirage_tui.node_agent"],
+                 f"--job-name=mirage-{self.session}", sys.executable, "-m", "mirage_tui.node_agent", *daemon_args],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, start_new_session=True,
             )
         except FileNotFoundError:
@@ -249,7 +254,13 @@ class Hosts:
         if isinstance(msg, ap.Output):
             for event, line in s.iter_events([x.encode() for x in msg.lines]):
                 if isinstance(event, s.OutputLine):  # an agent speaks only for its programs' output
-                    self.emit(event)
+                    self.emit(event, line)
+        elif isinstance(msg, ap.DaemonEvents):
+            for event, line in s.iter_events([x.encode() for x in msg.lines]):
+                if isinstance(event, HOST_DAEMON_EVENTS):
+                    self.emit(event, line)
+                else:
+                    self.ignored += 1
         elif isinstance(msg, ap.Exited):
             if 0 <= msg.index < len(agent.procs):
                 agent.procs[msg.index].ended(msg.pid, msg.returncode)
@@ -300,7 +311,7 @@ class Hosts:
         agent.lost = why
         with self._lock:
             ranks = sorted(agent.ranks.items())
-        self.emit(s.HostLost(host=agent.host, nodes=list(agent.nodes), ranks=[r for r, _ in ranks], why=why))
+        self.emit(s.HostLost(host=agent.host, nodes=list(agent.nodes), ranks=[r for r, _ in ranks], why=why), None)
         for rank, pid in ranks:
             self.on_rank_gone(agent.host, rank, pid)
         for proc in agent.procs:

@@ -19,6 +19,7 @@ every line in the head's run directory.
 
 from __future__ import annotations
 
+import argparse
 import os
 import queue
 import signal
@@ -32,22 +33,27 @@ import zmq
 
 from emulator import kineto_trace
 from emulator import schema as s
+from emulator.daemon import endpoints
 from emulator.lifetime import alive
 from mirage_tui import agent_protocol as ap
 from mirage_tui import diagnosis, netif
+from mirage_tui.daemon_proc import DaemonSettings, DaemonStartError, StartedDaemon, start_daemon
 from mirage_tui.output import RankTail, pump_pipe
-from mirage_tui.processes import StartError, free_port, kill_carrying, signal_group, spawn, terminate
+from mirage_tui.processes import StartError, free_port, kill_carrying, signal_group, spawn, stop_child, terminate
 
 #: Every process the agent starts carries it: its sweep at the end finds them by it.
 HOST_TAG = ap.HOST_TAG
 #: A trace travels in parts of this many characters (the head takes messages up to 64 MiB).
 TRACE_PART_CHARS = 4 << 20
+#: At the end, the host daemon's events are forwarded until it has been quiet this long.
+EVENTS_DRAIN_S = 0.1
 
 
 class Agent:
     """The agent of one host; :meth:`serve` runs it until the run ends."""
 
-    def __init__(self, bus: str, server_key: str, token: str, session: str, slurm_node: int):
+    def __init__(self, bus: str, server_key: str, token: str, session: str, slurm_node: int,
+                 settings: DaemonSettings):
         self.host = socket.gethostname()
         self.session = session
         self.token = token
@@ -56,7 +62,9 @@ class Agent:
         os.makedirs(base, mode=0o700, exist_ok=True)
         self.run_dir = os.path.join(base, f"agent-{session}-{self.host}")
         self.ranks_dir = os.path.join(self.run_dir, "ranks")
-        os.makedirs(self.ranks_dir, mode=0o700, exist_ok=True)
+        for folder in (self.run_dir, self.ranks_dir):  # 0700 both: the host daemon's sockets are in the first
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+            os.chmod(folder, 0o700)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 2000)  # the last output and Finished still go out
@@ -73,12 +81,35 @@ class Agent:
         self.heard = time.monotonic()
         self.stopping = False
         self.finished = False
+        self.settings = settings
+        self.daemon: StartedDaemon | None = None  # the host's own, once started (serve)
+        self.token_file = os.path.join(self.run_dir, "token")
+        self.daemon_reported = False  # whether its death was told
 
     def send(self, msg: ap.AgentMessage) -> None:
         self.sock.send(ap.encode(msg))
 
+    def start_daemon(self) -> None:
+        """Start this host's daemon: it serves the communicators whose members all run here, over shared memory
+        as on one machine (its sockets in the 0700 run directory, ipc:// only)."""
+        fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.token)
+        env = dict(os.environ, MIRAGE_SESSION=self.session, **{HOST_TAG: self.host})
+        self.daemon = start_daemon(self.ctx, self.run_dir, self.session, self.token, self.token_file, self.settings,
+                                   env, os.path.join(self.run_dir, "daemon.log"))
+
     def serve(self) -> int:
         """Run until Done (0), until the session goes silent (1), or until signalled (143)."""
+        try:
+            self.start_daemon()
+        except (DaemonStartError, OSError) as e:
+            print(f"mirage node {self.host}: could not start this host's daemon: {e}", file=sys.stderr, flush=True)
+            self.stop()
+            return 1
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.daemon.events, zmq.POLLIN)
         self.send(ap.AgentHello(token=self.token, host=self.host, address=self.address, slurm_node=self.slurm_node,
                                 pid=os.getpid(), master_port=free_port(self.address)))
         beat = 0.0
@@ -88,9 +119,11 @@ class Agent:
                 if self.stopping:
                     code = 143
                     break
-                if self.sock.poll(50):
-                    if self.handle_all():
-                        break
+                ready = dict(poller.poll(50))
+                if self.daemon.events in ready:
+                    self.forward_events()
+                if self.sock in ready and self.handle_all():
+                    break
                 now = time.monotonic()
                 if now - self.heard > ap.SILENCE_S:
                     print(f"mirage node {self.host}: the session has been silent for {ap.SILENCE_S:.0f} s; "
@@ -100,6 +133,7 @@ class Agent:
                 if now - beat >= ap.HEARTBEAT_S:
                     self.send(ap.Heartbeat())
                     beat = now
+                self.check_daemon()
                 self.check_processes()
                 self.send_output()
         finally:
@@ -139,9 +173,29 @@ class Agent:
             self.send(ap.Stacks(req=msg.req, ranks={
                 str(r): [diagnosis.process_status(pid), stacks.get(r, "")] for r, pid in pids.items()}))
 
+    def forward_events(self) -> None:
+        """Send the session what this host's daemon published (the head records them as its own daemon's)."""
+        while True:
+            try:
+                frame = self.daemon.events.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.send(ap.DaemonEvents(lines=frame.decode().split("\n")))
+
+    def check_daemon(self) -> None:
+        """Say so once if this host's daemon died: the ranks here fail on their own (their daemon is gone)."""
+        proc = self.daemon.proc
+        if proc.poll() is not None and not self.daemon_reported:
+            self.daemon_reported = True
+            self.lines.put(s.OutputLine(node=-1, stream=s.Stream.STDERR, text=(
+                f"mirage node {self.host}: this host's daemon (pid {proc.pid}) exited with code {proc.returncode}; "
+                f"see {self.run_dir}/daemon.log")))
+
     def launch(self, msg: ap.Launch) -> None:
         for p in msg.processes:
+            # the head's daemon (MIRAGE_ENDPOINT) serves communicators across hosts; this host's, the rest
             env = dict(p.env, MIRAGE_RUN_DIR=self.run_dir, MIRAGE_SOCKET_IF=f"{self.interface}:{self.address}",
+                       MIRAGE_HOST_ENDPOINT=endpoints(self.run_dir)[0], MIRAGE_HOST_DAEMON_PID=str(self.daemon.proc.pid),
                        **{HOST_TAG: self.host})
             try:
                 proc = spawn(msg.command, env, msg.workdir or None, self.ranks_dir, p.rank)
@@ -171,6 +225,7 @@ class Agent:
             for t in self.pumps:
                 t.join(1.0)
             self.send_output(final=True)
+            self.drain_events()
             self.send_traces()
             self.send(ap.Finished())
             self.finished = True
@@ -190,6 +245,11 @@ class Agent:
                 self.send(ap.TraceFile(name=name, part=i, data=data[at:at + TRACE_PART_CHARS],
                                        last=i == len(parts) - 1))
 
+    def drain_events(self) -> None:
+        """Forward the daemon's last events: it sends them in batches, a few milliseconds apart."""
+        while self.daemon.events.poll(EVENTS_DRAIN_S * 1000):
+            self.forward_events()
+
     def send_output(self, final: bool = False) -> None:
         lines = self.tail.poll(final=final)
         while True:
@@ -203,7 +263,13 @@ class Agent:
     def stop(self) -> None:
         """Stop every process started here (and any that kept the host tag), send the last output, close."""
         terminate([p for p in self.procs if p is not None])
+        if self.daemon is not None:
+            stop_child(self.daemon.proc)
         kill_carrying(MIRAGE_SESSION=self.session, **{HOST_TAG: self.host})
+        try:
+            os.unlink(self.token_file)
+        except FileNotFoundError:
+            pass
         try:
             self.check_processes()
             self.send_output(final=True)
@@ -213,7 +279,16 @@ class Agent:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m mirage_tui.node_agent``, started by the session through ``srun`` (its environment says the rest)."""
+    """``python -m mirage_tui.node_agent [daemon flags]``, started by the session through ``srun`` with its daemon's
+    settings (:meth:`DaemonSettings.args`); its environment says the rest."""
+    p = argparse.ArgumentParser(prog="python -m mirage_tui.node_agent")
+    p.add_argument("--profile", required=True)
+    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--gpus-per-node", type=int, required=True)
+    p.add_argument("--hang-timeout", type=float, required=True)
+    p.add_argument("--exec-mode", choices=["functional", "clocked"], required=True)
+    a = p.parse_args(argv)
+    settings = DaemonSettings(a.profile, a.nodes, a.gpus_per_node, a.hang_timeout, a.exec_mode)
     env = os.environ
     missing = [k for k in ("MIRAGE_AGENT_BUS", "MIRAGE_SERVER_KEY", "MIRAGE_TOKEN", "MIRAGE_SESSION") if not env.get(k)]
     if missing:
@@ -221,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
               f"'mirage run --launcher slurm', not by hand", file=sys.stderr)
         return 2
     agent = Agent(env["MIRAGE_AGENT_BUS"], env["MIRAGE_SERVER_KEY"], env["MIRAGE_TOKEN"], env["MIRAGE_SESSION"],
-                  int(env.get("SLURM_NODEID", "0") or 0))
+                  int(env.get("SLURM_NODEID", "0") or 0), settings)
 
     def stop(signum, frame):
         agent.stopping = True

@@ -97,6 +97,17 @@ def terminate(procs: Sequence[subprocess.Popen], grace_s: float = TERM_GRACE_S) 
             proc.wait()
 
 
+def stop_child(proc: subprocess.Popen, grace_s: float = TERM_GRACE_S) -> None:
+    """SIGTERM a child that shares our process group (a daemon), then SIGKILL it after ``grace_s``."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def free_port(address: str = "127.0.0.1") -> int:
     """A TCP port free on ``address`` now (for a rendezvous the program binds later)."""
     with socket.socket() as sock:

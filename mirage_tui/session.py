@@ -39,17 +39,17 @@ from emulator.arena import session_segments
 from emulator.daemon import TCP_ENDPOINT_FILE, endpoints
 from mirage_tui import diagnosis, flight_recorder, netif, report, rundir, sessions
 from mirage_tui import agent_protocol as ap
+from mirage_tui.daemon_proc import DaemonSettings, DaemonStartError, start_daemon
 from mirage_tui.hosts import Hosts, HostsError, RemoteProcess
 from mirage_tui.launch_env import BOOT_DIR, RankEnvironment, node_env, rank_env
 from mirage_tui.output import RankTail, pump_pipe
-from mirage_tui.processes import TERM_GRACE_S, StartError, free_port, kill_carrying, signal_group, spawn
+from mirage_tui.processes import TERM_GRACE_S, StartError, free_port, kill_carrying, signal_group, spawn, stop_child
 from mirage_tui.runstate import Outcome, RunState
 from mirage_tui.topology import Launcher, OnHang, Topology, UsageError, slurm_hosts
 from shim.bootstrap import is_torchrun_agent
 
 #: How long the other nodes may keep running after one failed.
 FAIL_GRACE_S = 3.0
-DAEMON_START_TIMEOUT_S = 20.0
 #: Exit code of a run stopped because of a hang (as coreutils' timeout uses).
 HANG_EXIT = 124
 #: Exit code of a run whose emulator daemon died under it (as ``docker run`` answers its daemon's failures).
@@ -226,13 +226,6 @@ class Session:
         f.write(e.text + "\n")
         self._dirty_logs[path] = f  # flushed with the journal, once per batch of events
 
-    def _subscribe(self) -> None:
-        sub = self._ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.RCVHWM, 0)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.connect(endpoints(self.run.path)[1])
-        self._sub = sub
-
     def _pump_daemon_events(self) -> None:
         while True:
             stopping = self._stop.is_set()  # read before draining, so the last drain is complete
@@ -266,44 +259,23 @@ class Session:
     # ------------------------------------------------------------ start
 
     def _start_daemon(self) -> None:
-        topo = self.topology
-        log = open(os.path.join(self.run.path, "daemon.log"), "ab")
-        self.daemon = subprocess.Popen(
-            [sys.executable, "-m", "emulator", "--run-dir", self.run.path, "--session", self.run.session,
-             "--token-file", self.run.token_file, "--profile", topo.profile, "--nodes", str(topo.num_nodes),
-             "--gpus-per-node", str(topo.gpus_per_node), "--hang-timeout", str(topo.hang_timeout_s),
-             "--exec-mode", topo.exec_mode.value, *self._listen_args()],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=self._daemon_env(),
-        )
-        log.close()
-        self._subscribe()
-        dealer = self._ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.connect(endpoints(self.run.path)[0])
-        deadline = time.monotonic() + DAEMON_START_TIMEOUT_S
         try:
-            # ready once a ping is answered Ok AND its DaemonReady reached our SUB socket
-            # (before that, ZeroMQ may drop events: the slow-joiner window)
-            while time.monotonic() < deadline:
-                if self.daemon.poll() is not None:
-                    raise LaunchError(
-                        f"the mirage daemon exited with code {self.daemon.returncode}; "
-                        f"see {self.run.path}/daemon.log", 1,
-                    )
-                dealer.send(s.encode(s.Ping(token=self.run.token)))
-                if not (dealer.poll(200) and isinstance(s.decode(dealer.recv()), s.Ok)):
-                    continue
-                while self._sub.poll(200):
-                    for event in s.decode_events(self._sub.recv()):
-                        if isinstance(event, s.DaemonReady):
-                            self.emit(event)
-                            if self._address:
-                                with open(os.path.join(self.run.path, TCP_ENDPOINT_FILE)) as f:
-                                    self._tcp_endpoint = f.read().strip()
-                            return
-            raise LaunchError(f"the mirage daemon did not answer within {DAEMON_START_TIMEOUT_S:.0f} s", 1)
-        finally:
-            dealer.close(0)
+            started = start_daemon(self._ctx, self.run.path, self.run.session, self.run.token, self.run.token_file,
+                                   self.daemon_settings(), self._daemon_env(),
+                                   os.path.join(self.run.path, "daemon.log"), self._listen_args())
+        except DaemonStartError as e:
+            raise LaunchError(str(e), 1) from None
+        self.daemon, self._sub = started.proc, started.events
+        self.emit(started.ready)
+        if self._address:
+            with open(os.path.join(self.run.path, TCP_ENDPOINT_FILE)) as f:
+                self._tcp_endpoint = f.read().strip()
+
+    def daemon_settings(self) -> DaemonSettings:
+        """What the run's daemons are told: the session's, and in a multi-host run each host's."""
+        topo = self.topology
+        return DaemonSettings(topo.profile, topo.num_nodes, topo.gpus_per_node, topo.hang_timeout_s,
+                              topo.exec_mode.value)
 
     def _listen_args(self) -> list[str]:
         """A multi-host run's daemon also listens on the chosen interface, CURVE-encrypted (its secret key
@@ -391,7 +363,8 @@ class Session:
         self.hosts = Hosts(self._address, secret, self.run.token, self.run.session, self.run.path, self.emit,
                            self._gone_elsewhere)
         try:
-            agents = self.hosts.start(slurm_hosts(), self._daemon_env(), os.path.join(self.run.path, "srun.log"))
+            agents = self.hosts.start(slurm_hosts(), self._daemon_env(), os.path.join(self.run.path, "srun.log"),
+                                      self.daemon_settings().args())
         except HostsError as e:
             raise LaunchError(str(e), 1) from None
         per_host = topo.num_nodes // len(agents)
@@ -611,13 +584,8 @@ class Session:
         self._terminate_nodes()
         if self.hosts is not None:
             self.hosts.finish()
-        if self.daemon is not None and self.daemon.poll() is None:
-            self.daemon.terminate()
-            try:
-                self.daemon.wait(TERM_GRACE_S)
-            except subprocess.TimeoutExpired:
-                self.daemon.kill()
-                self.daemon.wait()
+        if self.daemon is not None:
+            stop_child(self.daemon)
         self._sweep()
         self._stop.set()
         for t in self._threads:

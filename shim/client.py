@@ -423,20 +423,37 @@ def arena_tensor(arena: Arena, offset: int, numel: int, dtype: torch.dtype) -> t
 
 
 _client: DaemonClient | None = None
+_host_client: DaemonClient | None = None
+
+
+def _connect(endpoint: str, daemon_pid: str) -> DaemonClient:
+    c = DaemonClient(endpoint, os.environ["MIRAGE_TOKEN"], os.environ["MIRAGE_SESSION"],
+                     f"r{os.environ.get('RANK', '0')}-p{os.getpid()}", int(daemon_pid or 0))
+    # the last rank-to-rank collectives' requests reach the daemon, whose books would miss them
+    atexit.register(c.flush)
+    return c
 
 
 def client() -> DaemonClient:
-    """The process's daemon client, connected on first use."""
+    """The process's daemon client, connected on first use: the session's daemon (on the head in a
+    multi-host run), which serves every communicator but those :func:`host_client` serves."""
     global _client
     if _client is None:
-        rank = os.environ.get("RANK", "0")
-        _client = DaemonClient(
-            os.environ["MIRAGE_ENDPOINT"],
-            os.environ["MIRAGE_TOKEN"],
-            os.environ["MIRAGE_SESSION"],
-            f"r{rank}-p{os.getpid()}",
-            int(os.environ.get("MIRAGE_DAEMON_PID", "0") or 0),
-        )
-        # the last rank-to-rank collectives' requests reach the daemon, whose books would miss them
-        atexit.register(_client.flush)
+        _client = _connect(os.environ["MIRAGE_ENDPOINT"], os.environ.get("MIRAGE_DAEMON_PID", "0"))
     return _client
+
+
+def host_client() -> DaemonClient | None:
+    """In a multi-host run, the daemon of this host (``MIRAGE_HOST_ENDPOINT``, set by its agent), which serves
+    the communicators whose members all run here, over shared memory; None on one machine."""
+    global _host_client
+    if _host_client is None and os.environ.get("MIRAGE_HOST_ENDPOINT"):
+        _host_client = _connect(os.environ["MIRAGE_HOST_ENDPOINT"], os.environ.get("MIRAGE_HOST_DAEMON_PID", "0"))
+    return _host_client
+
+
+def flush_all() -> None:
+    """Send every client's deferred requests (rank-to-rank collectives' books)."""
+    for c in (_client, _host_client):
+        if c is not None:
+            c.flush()

@@ -37,7 +37,7 @@ def net_only() -> bool:
 def transport(my_host: str, peer_host: str) -> str:
     """What RCCL would pick between two ranks, given the transports the environment disables.
 
-    mirage's data path follows it (``shim.transports.data_path``): a rank whose
+    mirage's data path follows it (``shim.transports.route``): a rank whose
     communicator has any NET/Socket connection sends its bytes as ZeroMQ frames.
     """
     if my_host != peer_host:

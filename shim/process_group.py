@@ -27,7 +27,6 @@ import torch.distributed as dist
 
 from emulator import schema as s
 from shim import clock
-from shim import client as cl
 from shim import comm_stream as stream
 from shim import comms_profiler as prof
 from shim import device as dev
@@ -38,7 +37,7 @@ from shim.comm_stream import Pending, P2PWork
 from shim.functional import host_gpu
 from shim.nccl_errors import nccl_error
 from shim.tensor import MirageTensor
-from shim.transports import Call, Comm, Paths, data_path
+from shim.transports import Call, Comm, Paths, route
 
 IN_PROCESS_MESSAGE = (
     "--in-process gives each process its own emulator; multi-process collectives need the daemon "
@@ -208,9 +207,10 @@ class MirageProcessGroup(dist.ProcessGroup):
         if rank == 0:
             store.set(key, uuid.uuid4().hex)
         self._comm.id = store.get(key).decode()
-        self._comm.client = client = cl.client()
         host = os.environ.get("NCCL_HOSTID", socket.gethostname())
-        path = data_path(store, self._comm.id, rank, size, host)
+        chosen = route(store, self._comm.id, rank, size, host)
+        self._comm.client = client = chosen.client
+        path = chosen.path
         self._paths = Paths(self._comm, path)
         reply = client.request(
             s.CommInit(

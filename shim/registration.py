@@ -19,8 +19,11 @@ def register_rank(rank: int) -> None:
         return
     from emulator.schema import Hello
     from shim import memory
-    from shim.client import client
+    from shim.client import client, host_client
 
     node = int(os.environ.get("MIRAGE_NODE_RANK", "0"))
-    client().request(Hello(rank=rank, node=node, pid=os.getpid(), host=socket.gethostname()))
+    hello = Hello(rank=rank, node=node, pid=os.getpid(), host=socket.gethostname())
+    client().request(hello)
+    if host_client() is not None:  # a multi-host run: this host's daemon watches the process too
+        host_client().request(hello)
     memory.start_reporter(rank, node)

@@ -26,6 +26,7 @@ import atexit
 import dataclasses
 import itertools
 import os
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -416,22 +417,37 @@ class DirectTransport(Transport):
         client.forget(p.req)
 
 
-def data_path(store: dist.Store, comm: str, rank: int, size: int, host: str) -> str:
-    """The communicator's data path, chosen as RCCL chooses its transport (see ``nccl_debug``).
+@dataclass(frozen=True)
+class Route:
+    """Which daemon serves a communicator, and over which data path."""
+
+    path: str  # "shm" or "socket"
+    client: cl.DaemonClient
+
+
+def route(store: dist.Store, comm: str, rank: int, size: int, node: str) -> Route:
+    """The communicator's daemon and data path, the path chosen as RCCL chooses its transport (``nccl_debug``).
 
     ``"socket"`` (NET/Socket: ZeroMQ frames) with P2P and SHM both disabled,
-    when a member runs on another emulated node, or when the daemon is on another
-    host (reached over TCP: no memory to share with it); else ``"shm"``. Only a
-    multi-node run has to ask where the members are: each rank writes its host
-    to the store and reads everyone's, as NCCL's bootstrap all-gathers them.
+    when a member runs on another emulated node (``node``: its NCCL_HOSTID), or
+    when the daemon is on another host (reached over TCP: no memory to share
+    with it); else ``"shm"``. In a multi-host run, a communicator whose members
+    all run on this host is served by this host's daemon (:func:`client.host_client`),
+    as on one machine; one across hosts by the head's, over the socket. Only a
+    multi-node run has to ask where the members are: each rank writes its node
+    and host to the store and reads everyone's, as NCCL's bootstrap all-gathers them.
     """
-    if nccl_debug.net_only() or not os.environ.get("MIRAGE_ENDPOINT", "ipc://").startswith("ipc://"):
-        return "socket"
-    if size == 1 or int(os.environ.get("MIRAGE_NUM_NODES", "1") or "1") <= 1:
-        return "shm"
-    store.set(f"mirage_host/{comm}/{rank}", host)
-    hosts = store.multi_get([f"mirage_host/{comm}/{r}" for r in range(size)])
-    return "socket" if any(h.decode() != host for h in hosts) else "shm"
+    head, here = cl.client(), cl.host_client()
+    over_tcp = not os.environ.get("MIRAGE_ENDPOINT", "ipc://").startswith("ipc://")
+    if size == 1 or here is None and int(os.environ.get("MIRAGE_NUM_NODES", "1") or "1") <= 1:
+        daemon = head if here is None else here
+        return Route("socket" if nccl_debug.net_only() or daemon is head and over_tcp else "shm", daemon)
+    store.set(f"mirage_host/{comm}/{rank}", f"{node}\n{socket.gethostname()}")
+    members = [v.decode().split("\n") for v in store.multi_get([f"mirage_host/{comm}/{r}" for r in range(size)])]
+    one_node = all(n == node for n, _ in members) and not nccl_debug.net_only()
+    if here is not None and all(h == socket.gethostname() for _, h in members):
+        return Route("shm" if one_node else "socket", here)
+    return Route("shm" if one_node and not over_tcp else "socket", head)
 
 
 class Paths:
@@ -472,7 +488,6 @@ def _at_exit() -> None:
         except Exception as e:  # noqa: BLE001 - the exit goes on; the collective's error is the news
             print(f"mirage: at exit, a collective posted and never waited for failed: {str(e).splitlines()[0]}",
                   file=sys.stderr, flush=True)
-        if cl._client is not None:
-            cl._client.flush()  # the books of rank-to-rank collectives completed just now
+        cl.flush_all()  # the books of rank-to-rank collectives completed just now
     for arena in _SLOTS.values():
         arena.unlink()

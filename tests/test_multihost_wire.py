@@ -10,6 +10,7 @@ tests/multihost/test_mirage_slurm.py.
 import os
 import signal
 
+import numpy as np
 import pytest
 import zmq
 
@@ -71,6 +72,27 @@ def test_over_tcp_only_curve_with_the_token_is_answered(tcp_daemon):
     assert tcp_daemon.alive()  # the ipc endpoint still works, without CURVE
 
 
+def test_full_data_frames_cross_curve(tcp_daemon):
+    """A 32 MiB all-reduce over TCP: two full data frames, each a little bigger once encrypted."""
+    numel = 2 * s.MAX_DATA_FRAME_BYTES // 4
+    data = np.arange(numel, dtype=np.float32)
+    ctx = zmq.Context()
+    try:
+        rank = _dealer(ctx, tcp_daemon.tcp, tcp_daemon.server_key)
+        rank.send(stamped(s.CommInit(comm="f" * 32, rank=0, size=1, global_rank=0, transport="socket"),
+                          tcp_daemon.token, 1))
+        assert rank.poll(5000) and s.decode(rank.recv()) == s.Ok(req=1)
+        frames = [data[i:i + numel // 2].tobytes() for i in (0, numel // 2)]
+        coll = s.Collective(comm="f" * 32, seq=1, rank=0, numel=numel, out_numel=numel, transport=s.Transport.SOCKET)
+        rank.send_multipart([stamped(coll, tcp_daemon.token, 2), *frames])
+        assert rank.poll(20000), "no answer: the connection was dropped"
+        reply, out = rank.recv_multipart()
+        assert isinstance(s.decode(reply), s.Done)
+        np.testing.assert_array_equal(np.frombuffer(out, np.float32), data)
+    finally:
+        ctx.destroy(linger=0)
+
+
 def test_another_hosts_rank_is_watched_by_its_agent_not_by_pid(tcp_daemon):
     """A rank registered from another host is not checked by pid here: it is gone when its agent says so."""
     c = tcp_daemon.client()
@@ -104,7 +126,8 @@ def test_another_hosts_rank_is_watched_by_its_agent_not_by_pid(tcp_daemon):
 def bus(tmp_path):
     public, secret = zmq.curve_keypair()
     got: list = []
-    hosts = Hosts("127.0.0.1", secret, "the-token", "sess", str(tmp_path), got.append, lambda *a: got.append(a))
+    hosts = Hosts("127.0.0.1", secret, "the-token", "sess", str(tmp_path), lambda e, line: got.append(e),
+                  lambda *a: got.append(a))
     hosts.public = public.decode()
     hosts.got = got
     yield hosts
@@ -137,6 +160,23 @@ def test_the_bus_takes_an_agent_only_with_the_token(bus):
                                               s.encode(s.RankGone(rank=0, pid=1)).decode()])))
         _pump(bus, lambda: bus.got)
         assert [e.text for e in bus.got] == ["real"]  # and an agent relays output lines only
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_host_daemon_s_events_are_taken_for_its_communicators_only(bus):
+    ctx = zmq.Context()
+    try:
+        agent = _dealer(ctx, bus.endpoint, bus.public)
+        agent.send(ap.encode(ap.AgentHello(token="the-token", host="h2", slurm_node=1)))
+        joined = s.CommJoined(comm="c", rank=0, size=2, global_rank=2, transport="shm")
+        hang = s.HangDetected(comm="c", seq=1, joined=[2], missing=[3], waited_s=3.0)
+        # the ranks themselves are the head's daemon's to report: a host's daemon must not add them twice
+        head_only = [s.RankRegistered(rank=2, node=1, pid=7, host="h2"), s.RankGone(rank=2, pid=7),
+                     s.DaemonReady(pid=1), s.OutputLine(rank=2, text="not the daemon's")]
+        agent.send(ap.encode(ap.DaemonEvents(lines=[s.encode(e).decode() for e in (joined, *head_only, hang)])))
+        _pump(bus, lambda: len(bus.got) >= 2 and bus.ignored >= 4)
+        assert bus.got == [joined, hang] and bus.ignored == 4
     finally:
         ctx.destroy(linger=0)
 

@@ -24,6 +24,8 @@ pytestmark = pytest.mark.multihost
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 DDP = REPO / "tests" / "fixtures" / "ml" / "ddp_mlp.py"
+FSDP_TP = REPO / "tests" / "fixtures" / "ml" / "fsdp_tp_2d.py"
+SUBGROUP_HANG = REPO / "tests" / "fixtures" / "ml" / "subgroup_hang.py"
 ENV = {"PATH": f"{VENV_BIN}:{os.environ.get('PATH', '')}"}
 LOSS = re.compile(r"loss: (\S+) -> (\S+) over")
 
@@ -138,6 +140,53 @@ def test_a_hang_on_host_2_is_reported_from_the_head(cluster, tmp_path):
     assert re.search(rf'now at: File "{re.escape(str(DDP))}", line \d+ in main', out), out[-6000:]
     (report,) = json.loads((_run_dir(tmp_path) / "hang-report.json").read_text())
     assert report["ranks"]["3"]["host"] == "h2" and "ddp_mlp.py" in report["ranks"]["3"]["stacks"]
+    session = json.loads((_run_dir(tmp_path) / "session.json").read_text())["session"]
+    assert _ours_left(cluster, session) == []
+
+
+def test_a_mesh_s_groups_inside_a_host_use_its_own_daemon(cluster, tmp_path):
+    # FSDP over "dp" (across the hosts), tensor parallel over "tp" (inside each): the tp groups' collectives
+    # go through their host's daemon over shared memory, the dp groups' through the head's over TCP
+    # (clocked: each host's daemon times its own collectives, on the same profile as the head's)
+    r = cluster.salloc(_mirage(tmp_path, "--nproc-per-node 2", "--exec-mode clocked", "--", "python", str(FSDP_TP)),
+                       nodes=2, timeout=300, env=ENV)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-6000:]
+    assert "fsdp_tp_2d_ok" in out  # losses and weights match an unsharded model trained on one device
+    assert "predicted step" in r.stderr
+    events = _events(_run_dir(tmp_path))
+    members: dict[str, set[int]] = {}
+    for e in events:
+        if e["type"] == "comm_joined":
+            members.setdefault((e["comm"], e["transport"]), set()).add(e["global_rank"])
+    groups = sorted((sorted(ranks), transport) for (_, transport), ranks in members.items())
+    assert ([0, 1], "shm") in groups and ([2, 3], "shm") in groups, groups  # tp: inside h1, inside h2
+    assert ([0, 2], "socket") in groups and ([1, 3], "socket") in groups, groups  # dp: across the hosts
+    shm = {comm for (comm, transport) in members if transport == "shm"}
+    # every host's collectives are in the head's journal, from the hosts' daemons
+    done = {e["comm"] for e in events if e["type"] == "coll_completed"}
+    assert shm <= done
+    session = json.loads((_run_dir(tmp_path) / "session.json").read_text())["session"]
+    for host in ("h1", "h2"):
+        agent_dir = Path(f"/tmp/mirage-{os.getuid()}/agent-{session}-{host}")
+        assert "serving ipc://" in (agent_dir / "daemon.log").read_text()
+        assert agent_dir.stat().st_mode & 0o777 == 0o700  # where that daemon's sockets are
+        assert not (agent_dir / "token").exists()
+    assert _ours_left(cluster, session) == []
+
+
+def test_a_hang_inside_host_2_is_reported_from_the_head(cluster, tmp_path):
+    # ranks 2 and 3 share a group that only h2's daemon sees: its hang detector finds rank 3 missing
+    r = cluster.salloc(_mirage(tmp_path, "--nproc-per-node 2", "--hang-timeout 3", "--", "python",
+                               str(SUBGROUP_HANG)), nodes=2, timeout=300, env=ENV)
+    out = r.stdout + r.stderr
+    assert r.returncode == 124, out[-6000:]
+    assert "missing ranks {3 on h2}" in out, out[-6000:]
+    assert re.search(r"process \d+ on h2: sleeping", out), out[-6000:]
+    (report,) = json.loads((_run_dir(tmp_path) / "hang-report.json").read_text())
+    assert report["ranks"]["3"]["host"] == "h2" and "subgroup_hang.py" in report["ranks"]["3"]["stacks"]
+    hangs = [e for e in _events(_run_dir(tmp_path)) if e["type"] == "hang"]
+    assert [(e["joined"], e["missing"]) for e in hangs] == [([2], [3])]
     session = json.loads((_run_dir(tmp_path) / "session.json").read_text())["session"]
     assert _ours_left(cluster, session) == []
 
