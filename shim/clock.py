@@ -20,7 +20,7 @@ right answers; the clock says when each *would* have run on the profile's GPU:
   ``wait_event``, ``wait_stream``, ``synchronize``, ``elapsed_time``.
 
 The host itself is modeled as infinitely fast: it only waits where it
-synchronises. Each ``optimizer.step()`` ends a step: the step's emulated time,
+synchronises. Each ``optimizer.step()`` (over GPU parameters) ends a step: the step's emulated time,
 compute, communication and exposed (not overlapped) communication go to the
 daemon as a :class:`~emulator.schema.StepReport`. At exit the rank writes its
 kernels and collectives as a Kineto-style trace (``traces/rank-<R>.json`` in
@@ -309,7 +309,8 @@ def _send_step(report: dict) -> None:
 
 
 def _step_hook(optimizer, args, kwargs) -> None:
-    if CLOCK is not None:
+    # an optimizer of CPU parameters only (a reference model, weights averaged on the host) ends no GPU step
+    if CLOCK is not None and any(p.device.type == "cuda" for g in optimizer.param_groups for p in g["params"]):
         CLOCK.end_step()
 
 
