@@ -85,6 +85,7 @@ class Agent:
         self.daemon: StartedDaemon | None = None  # the host's own, once started (serve)
         self.token_file = os.path.join(self.run_dir, "token")
         self.daemon_reported = False  # whether its death was told
+        self.launched: list[ap.Process] = []  # every process the session had this host start
 
     def send(self, msg: ap.AgentMessage) -> None:
         self.sock.send(ap.encode(msg))
@@ -187,11 +188,13 @@ class Agent:
         proc = self.daemon.proc
         if proc.poll() is not None and not self.daemon_reported:
             self.daemon_reported = True
-            self.lines.put(s.OutputLine(node=-1, stream=s.Stream.STDERR, text=(
+            node = min((p.node for p in self.launched), default=0)  # the line goes to the host's first node's log
+            self.lines.put(s.OutputLine(node=node, stream=s.Stream.STDERR, text=(
                 f"mirage node {self.host}: this host's daemon (pid {proc.pid}) exited with code {proc.returncode}; "
                 f"see {self.run_dir}/daemon.log")))
 
     def launch(self, msg: ap.Launch) -> None:
+        self.launched += msg.processes
         for p in msg.processes:
             # the head's daemon (MIRAGE_ENDPOINT) serves communicators across hosts; this host's, the rest
             env = dict(p.env, MIRAGE_RUN_DIR=self.run_dir, MIRAGE_SOCKET_IF=f"{self.interface}:{self.address}",

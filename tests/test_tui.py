@@ -237,6 +237,8 @@ def test_quit_while_running_tears_the_run_down(tmp_path):
     async def body(pilot) -> None:
         await _until(pilot, "the run screen", lambda: app.run_screen is not None)
         await _until(pilot, "ranks to register", lambda: len(_tree_labels(app.run_screen)) == 2)
+        # a rank registers while torch still imports: its stack is in the script once it said it skips
+        await _until(pilot, "rank 1 to skip", lambda: "skipping" in app.run_screen.state.last_output.get(1, ("",))[0])
         started = time.monotonic()
         await pilot.press("s")  # every live rank's stacks, over the run screen
         await _until(pilot, "the stack dump", lambda: isinstance(app.screen, StacksScreen))

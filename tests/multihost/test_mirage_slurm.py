@@ -72,6 +72,13 @@ def _ours_left(c: Cluster, session: str) -> list[str]:
     return left
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # it ended meanwhile
+        return b""
+
+
 @pytest.fixture(scope="module")
 def gloo_loss():
     """The loss line of the same program on 4 CPU ranks with gloo (torchrun, no mirage)."""
@@ -244,3 +251,24 @@ def test_exec_on_each_host_then_ctrl_c_on_the_head_stops_every_host(cluster, tmp
     assert "exit 130" in err, err[-3000:]
     assert _ours_left(cluster, session["session"]) == []
     print(f"Ctrl-C: every host stopped within {took:.1f} s")
+
+
+def test_a_host_s_daemon_that_dies_fails_that_host_s_ranks_naming_it(cluster, tmp_path):
+    job = cluster.popen(["salloc", "-N", "2", "bash", "-c",
+                         _mirage(tmp_path, "--nproc-per-node 2", "--", "python", str(FSDP_TP), env="STEPS=1000000")],
+                        env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        session = _training(cluster, tmp_path)["session"]
+        (daemon,) = [pid for pid in namespace_pids(cluster.ns["h2"])
+                     if re.search(rb"-m\0emulator\0.*agent-" + session.encode() + b"-h2", _cmdline(pid))]
+        os.kill(daemon, signal.SIGKILL)
+        out, err = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode not in (0, None), err[-3000:]
+    run = _run_dir(tmp_path)
+    assert f"mirage node h2: this host's daemon (pid {daemon}) exited" in (run / "node-1.log").read_text()
+    ranks = (run / "rank-2.log").read_text() + (run / "rank-3.log").read_text()
+    assert f"the emulator daemon (pid {daemon}) is gone" in ranks, ranks[-3000:]
+    assert _ours_left(cluster, session) == []
