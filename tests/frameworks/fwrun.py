@@ -94,7 +94,9 @@ def on_cpu(*command: str, steps: int | None = None, extra_env: dict[str, str] | 
     """Run COMMAND plainly (no mirage: CPU tensors, gloo); it must exit 0. Returns its RESULT.
 
     Tried three times: this is the reference, not what is under test, and plain torch on the CPU
-    sometimes aborts at exit after a finished run ("terminate called without an active exception").
+    sometimes aborts at exit after a finished run ("terminate called without an active exception",
+    three times in a row in one CI run). A run that printed its RESULT and then aborted so has
+    computed the reference all the same, and is taken.
     """
     env = framework_env()
     if steps is not None:
@@ -103,7 +105,8 @@ def on_cpu(*command: str, steps: int | None = None, extra_env: dict[str, str] | 
     outs = []
     for _ in range(3):
         r = subprocess.run(list(command), cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-        if r.returncode == 0:
+        finished = _RESULT.search(r.stdout) and "terminate called without an active exception" in r.stderr
+        if r.returncode == 0 or finished:
             res = result(r.stdout)
             assert res["device"].startswith("cpu"), res
             return res
