@@ -26,14 +26,16 @@ VENV_BIN = Path(sys.executable).parent
 DDP = REPO / "tests" / "fixtures" / "ml" / "ddp_mlp.py"
 FSDP_TP = REPO / "tests" / "fixtures" / "ml" / "fsdp_tp_2d.py"
 SUBGROUP_HANG = REPO / "tests" / "fixtures" / "ml" / "subgroup_hang.py"
+# pytorch/examples' FSDP x TP program, unmodified (it asks for 4 GPUs on the machine it runs on)
+FSDP_TP_EXAMPLE = REPO / "tests" / "fixtures" / "frameworks" / "examples" / "tensor_parallelism" / "fsdp_tp_example.py"
 ENV = {"PATH": f"{VENV_BIN}:{os.environ.get('PATH', '')}"}
 LOSS = re.compile(r"loss: (\S+) -> (\S+) over")
 
 
-def _mirage(log_dir: Path, *args: str, env: str = "") -> str:
+def _mirage(log_dir: Path, *args: str, env: str = "", gpus: int = 2) -> str:
     """The salloc script that runs ``mirage run --launcher slurm`` over both hosts."""
     return (f"cd {REPO} && {env} mirage run --launcher slurm --log-dir {log_dir} "
-            f"--gpus-per-node 2 {' '.join(args)}")
+            f"--gpus-per-node {gpus} {' '.join(args)}")
 
 
 def _run_dir(log_dir: Path) -> Path:
@@ -180,6 +182,16 @@ def test_a_mesh_s_groups_inside_a_host_use_its_own_daemon(cluster, tmp_path):
         assert agent_dir.stat().st_mode & 0o777 == 0o700  # where that daemon's sockets are
         assert not (agent_dir / "token").exists()
     assert _ours_left(cluster, session) == []
+
+
+def test_pytorch_s_fsdp_tp_example_over_two_hosts(cluster, tmp_path):
+    r = cluster.salloc(_mirage(tmp_path, "--nproc-per-node 2", "--", "python", str(FSDP_TP_EXAMPLE), gpus=4),
+                       nodes=2, timeout=300, env=ENV)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-6000:]
+    assert "[0] " in out and "2D training successfully completed!" in out, out[-6000:]
+    joined = {(e["comm"], e["transport"]) for e in _events(_run_dir(tmp_path)) if e["type"] == "comm_joined"}
+    assert {t for _, t in joined} == {"shm", "socket"}  # its tp pairs inside each host, the rest across
 
 
 def test_a_hang_inside_host_2_is_reported_from_the_head(cluster, tmp_path):
