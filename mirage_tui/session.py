@@ -442,6 +442,7 @@ class Session:
                 f"the mirage daemon (pid {self.daemon.pid}) {how} during the run; see {self.run.path}/daemon.log",
                 self.run.path,
             )
+        self._settle()  # the summary reads the fold: which rank the daemon saw go first
         return Outcome(code if code > 0 else 128 - code, self._failure_summary(index, code), self.run.path)
 
     def _check_space(self) -> None:
@@ -492,6 +493,18 @@ class Session:
             what = (f"world formation (init_process_group) of {finding.comm}" if finding.kind is s.HangKind.WORLD
                     else f"collective #{finding.seq} ({finding.op.name}) of {label}")
             summary = summary or f"hang in {what}: missing ranks {{{missing}}}; report: {path}"
+
+    def _settle(self, quiet_s: float = 0.1, max_s: float = 1.0) -> None:
+        """Let events already on their way reach the fold (a loaded machine delays the dispatcher): return once
+        none has been handled for ``quiet_s``, or after ``max_s``."""
+        deadline = time.monotonic() + max_s
+        last, since = self._written, time.monotonic()
+        while time.monotonic() < deadline:
+            time.sleep(0.02)
+            if self._written != last or not self._events.empty():
+                last, since = self._written, time.monotonic()
+            elif time.monotonic() - since >= quiet_s:
+                return
 
     def _failure_summary(self, index: int, code: int) -> str:
         """Who failed first (``procs[index]``) and how, then which ranks raised (and where their logs are)."""
