@@ -9,6 +9,7 @@ a ping is answered and its ``DaemonReady`` reached the caller's SUB socket
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 import time
@@ -38,9 +39,21 @@ class DaemonSettings:
     exec_mode: str  # "functional" or "clocked"
 
     def args(self) -> list[str]:
-        """These settings as ``python -m emulator`` flags (``mirage_tui.node_agent`` takes the same)."""
+        """These settings as ``python -m emulator`` flags (``mirage_tui.node_agent`` takes the same: :meth:`parse`)."""
         return ["--profile", self.profile, "--nodes", str(self.nodes), "--gpus-per-node", str(self.gpus_per_node),
                 "--hang-timeout", str(self.hang_timeout_s), "--exec-mode", self.exec_mode]
+
+    @classmethod
+    def parse(cls, argv: list[str] | None, prog: str) -> DaemonSettings:
+        """The settings :meth:`args` wrote (a host's agent reads them from its command line)."""
+        p = argparse.ArgumentParser(prog=prog)
+        p.add_argument("--profile", required=True)
+        p.add_argument("--nodes", type=int, required=True)
+        p.add_argument("--gpus-per-node", type=int, required=True)
+        p.add_argument("--hang-timeout", type=float, required=True)
+        p.add_argument("--exec-mode", choices=["functional", "clocked"], required=True)
+        a = p.parse_args(argv)
+        return cls(a.profile, a.nodes, a.gpus_per_node, a.hang_timeout, a.exec_mode)
 
 
 @dataclass

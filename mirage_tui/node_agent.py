@@ -19,7 +19,6 @@ every line in the head's run directory.
 
 from __future__ import annotations
 
-import argparse
 import os
 import queue
 import signal
@@ -284,14 +283,7 @@ class Agent:
 def main(argv: list[str] | None = None) -> int:
     """``python -m mirage_tui.node_agent [daemon flags]``, started by the session through ``srun`` with its daemon's
     settings (:meth:`DaemonSettings.args`); its environment says the rest."""
-    p = argparse.ArgumentParser(prog="python -m mirage_tui.node_agent")
-    p.add_argument("--profile", required=True)
-    p.add_argument("--nodes", type=int, required=True)
-    p.add_argument("--gpus-per-node", type=int, required=True)
-    p.add_argument("--hang-timeout", type=float, required=True)
-    p.add_argument("--exec-mode", choices=["functional", "clocked"], required=True)
-    a = p.parse_args(argv)
-    settings = DaemonSettings(a.profile, a.nodes, a.gpus_per_node, a.hang_timeout, a.exec_mode)
+    settings = DaemonSettings.parse(argv, "python -m mirage_tui.node_agent")
     env = os.environ
     missing = [k for k in ("MIRAGE_AGENT_BUS", "MIRAGE_SERVER_KEY", "MIRAGE_TOKEN", "MIRAGE_SESSION") if not env.get(k)]
     if missing:
