@@ -182,9 +182,20 @@ def _innermost_user_frame(stacks: str) -> str:
         if block.lstrip().startswith("Current thread"):
             for line in block.splitlines()[1:]:
                 line = line.strip()
-                if line.startswith("File ") and not any(d in line for d in _INTERNAL_DIRS):
+                if line.startswith("File ") and not _internal(line):
                     return line
     return ""
+
+
+def _internal(frame_line: str) -> bool:
+    """Whether a faulthandler frame line (``File "PATH", line N in NAME``) is in torch or the shim.
+
+    The path is compared as written and with its links resolved: a virtual environment reached
+    through a symlink names its files one way in the rank and the other in ``find_spec``.
+    """
+    path = frame_line.split('"')[1] if frame_line.count('"') >= 2 else frame_line
+    return any(path.startswith(d) for d in _INTERNAL_DIRS) or any(
+        os.path.realpath(path).startswith(d) for d in _INTERNAL_DIRS)
 
 
 def _package_dirs(*names: str) -> tuple[str, ...]:
@@ -193,7 +204,8 @@ def _package_dirs(*names: str) -> tuple[str, ...]:
     for name in names:
         spec = importlib.util.find_spec(name)
         if spec is not None and spec.submodule_search_locations:
-            dirs.extend(os.path.join(d, "") for d in spec.submodule_search_locations)
+            for d in spec.submodule_search_locations:
+                dirs.extend({os.path.join(d, ""), os.path.join(os.path.realpath(d), "")})
     return tuple(dirs)
 
 
