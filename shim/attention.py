@@ -18,7 +18,11 @@ kernels here (:data:`CPU_ONLY_ON_GPU`), and higher-order ops (flex attention,
 
 from __future__ import annotations
 
+import sys
+
 import torch
+
+from shim.import_hooks import after_import
 
 _aten = torch.ops.aten
 _MAX_FLASH_HEAD_DIM = 256
@@ -470,6 +474,9 @@ def install(tensor_type: type) -> None:
             hop.py_impl(tensor_type)(dense)
     if DispatchKey.AutocastPrivateUse1 not in flex_attention.py_kernels:
         flex_attention.py_impl(DispatchKey.AutocastPrivateUse1)(_flex_attention_autocast)
+    after_import("torch.nn.attention.flex_attention", _flex_attention_eager)
+    hop_utils = sys.modules["torch._higher_order_ops.utils"]
+    hop_utils._hop_compile_and_call = _hop_call_on(tensor_type, hop_utils._hop_compile_and_call)
     # SDPA's choice at the dispatcher too, not only in shim/mode.py's TorchFunctionMode: the mode is
     # off inside backward() (activation checkpointing recomputes there) and in threads it never
     # entered, and a recomputation must pick the kernel the forward picked
@@ -487,6 +494,61 @@ def _sdpa_routed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
     return _aten._scaled_dot_product_attention_math(
         query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
     )[0]
+
+
+def _flex_attention_eager() -> None:
+    """``flex_attention`` as a function of this module, which dynamo skips (shim/torch_compile.py).
+
+    Dynamo cannot trace the flex attention op over emulated tensors yet (its autograd
+    rule takes only plain fake tensors). So under ``torch.compile`` a call to it is a
+    graph break, as ``TORCH_LOGS=graph_breaks`` says, and it runs eagerly, its unfused
+    implementation, which itself compiles its call of the op (``backend="eager"``, to
+    trace the score and mask functions): the op is called as it is there, no frame
+    under it compiled. Replaced as the module is imported, before a program takes the
+    name from it.
+    """
+    from torch._C._dynamo.eval_frame import set_eval_frame
+
+    module = sys.modules["torch.nn.attention.flex_attention"]
+    dense = module.flex_attention
+
+    def flex_attention(*args, **kwargs):
+        prior = set_eval_frame(None)  # as torch.compiler.disable
+        compile_ = torch.compile
+        torch.compile = _not_compiled
+        try:
+            return dense(*args, **kwargs)
+        finally:
+            torch.compile = compile_
+            set_eval_frame(prior)
+
+    flex_attention.__doc__, flex_attention.__qualname__ = dense.__doc__, dense.__qualname__
+    module.flex_attention = flex_attention
+
+
+def _hop_call_on(tensor_type, compile_and_call):
+    """``_hop_compile_and_call``: how ``torch.cond``, ``map``, ``scan``... run eagerly: torch compiles the op's
+    call (``backend="eager"``, ``fullgraph``) to trace its functions; over emulated tensors dynamo cannot
+    (the op's rule for them is its dense one, which branches on their values), so the op is called as it is,
+    no frame under it compiled."""
+    from torch._C._dynamo.eval_frame import set_eval_frame
+    from torch.utils._pytree import tree_leaves
+
+    def call(fn, args, kwargs=None):
+        if not any(isinstance(a, tensor_type) for a in tree_leaves((args, kwargs))):
+            return compile_and_call(fn, args, kwargs)
+        prior = set_eval_frame(None)
+        try:
+            return fn(*args, **(kwargs or {}))
+        finally:
+            set_eval_frame(prior)
+
+    return call
+
+
+def _not_compiled(fn, **_options):
+    """``torch.compile`` inside flex attention's unfused path: the function itself."""
+    return fn
 
 
 def _flex_attention_autocast(query, key, value, *args):

@@ -17,12 +17,11 @@ Run from ``sitecustomize`` before any user code. A process is one of:
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
 import os
 import sys
 
-from shim import registration
+from shim import registration, triton_runtime
+from shim.import_hooks import after_import
 
 _AGENT_MODULES = ("torch.distributed.run", "torch.distributed.launch")
 
@@ -32,29 +31,6 @@ def is_torchrun_agent(argv: list[str]) -> bool:
     if len(argv) > 1 and os.path.basename(argv[1]) == "torchrun":
         return True
     return any(a == "-m" and b in _AGENT_MODULES for a, b in zip(argv, argv[1:]))
-
-
-class _AfterTorch(importlib.abc.MetaPathFinder):
-    """Runs ``then()`` right after ``import torch`` completes."""
-
-    def __init__(self, then):
-        self.then = then
-
-    def find_spec(self, name, path, target=None):
-        if name != "torch":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec("torch")
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_then(module):
-            exec_module(module)
-            self.then()
-
-        spec.loader.exec_module = exec_then
-        return spec
 
 
 def _activate() -> None:
@@ -78,10 +54,7 @@ def _count_gpus_in_agent() -> None:
 
 
 def _after_torch(then) -> None:
-    if "torch" in sys.modules:
-        then()
-    else:
-        sys.meta_path.insert(0, _AfterTorch(then))
+    after_import("torch", then)
 
 
 def _launched_rank() -> int | None:
@@ -104,6 +77,7 @@ def boot() -> None:
     if is_torchrun_agent(sys.orig_argv):
         _after_torch(_count_gpus_in_agent)
         return
+    triton_runtime.prepare()  # before user code: @triton.jit picks the interpreter as it decorates
     if os.environ.get("MIRAGE_EXEC") == "1":
         # 'mirage exec': a probe beside the job, not a rank: its output is its own, it claims no rank
         _after_torch(_activate)

@@ -38,7 +38,7 @@ import threading
 import torch
 
 from emulator.profiles import Profile
-from shim.roofline import op_cost
+from shim.roofline import kernel_cost, op_cost
 
 #: whether this process keeps emulated time
 ENABLED = os.environ.get("MIRAGE_EXEC_MODE") == "clocked"
@@ -183,6 +183,27 @@ class Clock:
                 self.bytes_only_ops += 1
             self._record(("compute", self._name(func), gpu, key[1], start, end,
                           {"flops": cost.flops, "bytes": cost.bytes, "bound": cost.bound}, self._issued(start)))
+
+    def fused(self, gpu: int, kernels: list) -> None:
+        """A compiled graph's kernels, one after another on the current stream of ``gpu``.
+
+        ``kernels``: ``(name, flops or None, bytes, dtype or None)`` of each kernel the compiler
+        generated (shim/compiled_clock.py), each timed as one kernel (:func:`shim.roofline.kernel_cost`).
+        """
+        with self.lock:
+            key = (gpu, self.stream_of(gpu))
+            start = max(self.streams.get(key, 0.0), self.host)
+            for name, flops, nbytes, dtype in kernels:
+                cost = kernel_cost(flops, nbytes, dtype, self.profile)
+                end = start + cost.seconds
+                self.compute.append((start, end))
+                self.ops += 1
+                if not cost.has_formula:
+                    self.bytes_only_ops += 1
+                self._record(("compute", name, gpu, key[1], start, end,
+                              {"flops": cost.flops, "bytes": cost.bytes, "bound": cost.bound}, self._issued(start)))
+                start = end
+            self.streams[key] = start
 
     def copy_to_device(self, gpu: int, nbytes: int) -> None:
         """A host-to-device copy onto ``gpu`` (``.to("cuda")``, ``.cuda()``) on its current stream."""

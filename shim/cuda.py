@@ -638,9 +638,10 @@ def install() -> None:
         "device_count": lambda: count,
         "current_device_index": lambda: dev.STATE.current,
         "set_device_index": set_device,
-        "synchronize": synchronize,
-        "current_stream": current_stream,
-        "set_stream": set_stream,
+        # functions of their own, not torch.cuda's: dynamo keys its handlers by function and registers both
+        "synchronize": lambda device=None: synchronize(device),
+        "current_stream": lambda device=None: current_stream(device),
+        "set_stream": lambda stream: set_stream(stream),
         "device_index": device,
     }.items():
         setattr(acc, name, fn)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.overrides import TorchFunctionMode
 
-from shim import attention, clock, params, pinned
+from shim import attention, clock, params, pinned, torch_compile
 from shim import device as dev
 from shim.tensor import BACKEND, BACKEND_DEVICE, MirageTensor
 
@@ -22,6 +22,7 @@ _SDPA = torch.nn.functional.scaled_dot_product_attention
 _PIN_MEMORY = torch.Tensor.pin_memory
 _IS_PINNED = torch.Tensor.is_pinned
 _COMPATIBLE = params.COMPATIBLE
+_is_compiling = torch.compiler.is_compiling  # dynamo folds this very function to True
 
 
 def _cuda_index(d) -> int | None:
@@ -62,6 +63,8 @@ class CudaMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if _is_compiling():  # dynamo inlines this mode: see shim/torch_compile.py
+            return _compiling(func, args, kwargs)
         if func is _TO:
             parse_kw = {k: v for k, v in kwargs.items() if k != "copy"}
             to_args, copy = args[1:], kwargs.get("copy", False)
@@ -113,6 +116,24 @@ class CudaMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _compiling(func, args, kwargs: dict):
+    """``CudaMode.__torch_function__`` as dynamo traces it: calls that name ``cuda`` make host tensors put on
+    the GPU (shim/torch_compile.py); attention, higher-order ops and the rest are compiled as torch's own."""
+    if func is _TO:
+        return torch_compile.to(args, kwargs)
+    if func is _CUDA:
+        d = args[1] if len(args) > 1 else kwargs.get("device")
+        return torch_compile.move(args[0], torch_compile.gpu_of("cuda" if d is None else d),
+                                  memory_format=kwargs.get("memory_format"))
+    d = kwargs.get("device")
+    if d is not None:
+        gpu = torch_compile.gpu_of(d)
+        if gpu is not None:
+            return torch_compile.factory(func, args, kwargs, gpu)
+    return func(*args, **kwargs)
+
+
+torch_compile.inline(__name__, frames=False)
 _mode: CudaMode | None = None
 
 

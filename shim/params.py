@@ -19,8 +19,11 @@ follow here too.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
+from shim.import_hooks import after_import
 from shim.memory import ALLOCATOR
 from shim.tensor import MirageTensor
 
@@ -104,6 +107,33 @@ def _swap(t, alias) -> None:
     torch._C._swap_tensor_impl(t, alias)
 
 
+def _one_tensor(is_traceable_wrapper_subclass):
+    """``is_traceable_wrapper_subclass`` as the code that moves parameters asks it: False for an emulated tensor.
+
+    An emulated tensor is a traceable wrapper subclass (for ``torch.compile``,
+    shim/torch_compile.py), which sends ``Module._apply``, parametrizations and
+    FSDP's moves and state syncs down their paths for tensors made of several
+    (``swap_tensors``, the inner tensors one by one); it is one ``cuda`` tensor,
+    moved by ``.data =`` as above, as on a GPU.
+    """
+
+    def is_wrapper_of_several(t) -> bool:
+        return not isinstance(t, MirageTensor) and is_traceable_wrapper_subclass(t)
+
+    return is_wrapper_of_several
+
+
+def _ask_one_tensor(module_name: str):
+    def patch() -> None:
+        module = sys.modules[module_name]
+        module.is_traceable_wrapper_subclass = _one_tensor(module.is_traceable_wrapper_subclass)
+
+    return patch
+
+
 def install() -> None:
-    """Route ``.data =`` through this module."""
+    """Route ``.data =`` through this module, and parameter moves to it (see :func:`_one_tensor`)."""
     torch.Tensor.data = property(_get_data, _set_data, doc=_DATA.__doc__)
+    for name in ("torch.nn.modules.module", "torch.nn.utils.parametrize", "torch.distributed.fsdp._init_utils",
+                 "torch.distributed.fsdp._fully_shard._fsdp_init"):
+        after_import(name, _ask_one_tensor(name))

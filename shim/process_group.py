@@ -255,6 +255,15 @@ class MirageProcessGroup(dist.ProcessGroup):
         # group's registered types stay empty for a Python group): cuda, as a real NCCL group
         return [torch.device("cpu"), torch.device("cuda")] if self._cpu is not None else [torch.device("cuda")]
 
+    def _get_backend(self, device: torch.device):
+        """The group serving ``device``: itself for the GPUs (not a ``ProcessGroupNCCL``, which a CPU build
+        lacks: c10d's helpers that look for one, such as inductor's ephemeral timeouts, pass it by)."""
+        if torch.device(device).type == "cpu":
+            if self._cpu is None:
+                raise RuntimeError("No backend type associated with device type cpu")
+            return self._cpu
+        return self
+
     def set_timeout(self, timeout: timedelta) -> None:
         """The group's timeout (``_set_pg_timeout``): the watchdog's deadline from now on."""
         self._comm.timeout_s = timeout.total_seconds()

@@ -192,14 +192,21 @@ def op_cost(func, args, kwargs, out, profile: Profile) -> OpCost:
     if not inputs and not outputs:
         return OpCost(0.0, 0, 0, "free", False)
     nbytes = sum(tensor_bytes(t) for t in inputs) + sum(tensor_bytes(t) for t in outputs)
-    memory_s = nbytes / (profile.hbm_tbps * 1e12 * MEMORY_EFFICIENCY)
-
     if formula is None:
-        return OpCost(memory_s + KERNEL_LAUNCH_S, 0, nbytes, "bytes-only", False)
+        return kernel_cost(None, nbytes, None, profile)
     flops = _flops(formula, func, args, kwargs, out)
     # The math runs in the inputs' dtype (an fp8 GEMM writes bf16 but multiplies at the fp8 rate).
     tensors = inputs + outputs
     dtype = next((t.dtype for t in tensors if t.dtype.is_floating_point), tensors[0].dtype)
+    return kernel_cost(flops, nbytes, dtype, profile)
+
+
+def kernel_cost(flops: int | None, nbytes: int, dtype: torch.dtype | None, profile: Profile) -> OpCost:
+    """The roofline of one kernel that moves ``nbytes`` and computes ``flops`` in ``dtype`` (None: no formula,
+    its time is its bytes); an op's (:func:`op_cost`), or a kernel a compiler fused from several."""
+    memory_s = nbytes / (profile.hbm_tbps * 1e12 * MEMORY_EFFICIENCY)
+    if flops is None:
+        return OpCost(memory_s + KERNEL_LAUNCH_S, 0, nbytes, "bytes-only", False)
     peak, efficiency = peak_and_efficiency(profile, dtype)
     compute_s = flops / (peak * efficiency)
     bound = "compute" if compute_s >= memory_s else "memory"

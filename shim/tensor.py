@@ -13,10 +13,13 @@ from __future__ import annotations
 import math
 
 import torch
+from torch._subclasses import meta_utils
+from torch._subclasses.fake_tensor import is_fake
+from torch._subclasses.functional_tensor import FunctionalTensor
 
 from shim import device as dev
 from shim import attention, clock, deferred, rng
-from shim.functional import functional_collective
+from shim.functional import functional_collective, traced_collective
 from shim.memory import ALLOCATOR
 
 BACKEND = dev.BACKEND  # must be registered before this module is imported
@@ -108,6 +111,10 @@ class MirageTensor(torch.Tensor):
 
     def untyped_storage(self) -> torch.UntypedStorage:  # type: ignore[override]
         """The host storage holding the data, reporting this tensor's device (``cuda:i``), as on a GPU."""
+        if _describing:
+            # a fake copy is being made: a storage of its own each time (the data's is described as the inner
+            # tensor's; the same storage seen again, as when DDPOptimizer fakes its inputs anew, reads as aliasing)
+            return torch.UntypedStorage(super().untyped_storage().nbytes(), device="meta")
         s = self._elem.untyped_storage()
         if type(s) is not _CudaStorage:
             s.__class__ = _CudaStorage  # torch keeps one Python object per storage: this sticks
@@ -125,6 +132,15 @@ class MirageTensor(torch.Tensor):
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
+    # A traceable wrapper subclass (shim/torch_compile.py): AOTAutograd compiles graphs over the CPU
+    # tensor inside, and wraps what they return on the same GPU.
+    def __tensor_flatten__(self):
+        return ["_elem"], self._gpu
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, gpu, outer_size, outer_stride):
+        return _new(inner_tensors["_elem"], gpu, None)
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         try:
@@ -134,7 +150,8 @@ class MirageTensor(torch.Tensor):
             out = _fast(plan, args) if plan.fast and not kwargs else None
             if out is None:
                 out = _dispatch(func, plan, args, kwargs)
-            if clock.CLOCK is not None and plan.kind != _COLLECTIVE:  # clocked mode: a kernel takes time
+            if clock.CLOCK is not None and plan.kind != _COLLECTIVE and not _tracing(args):
+                # clocked mode: a kernel takes time (a traced one: see shim/torch_compile.py)
                 clock.CLOCK.charge(func, args, kwargs, out)
             return out
         except Exception as e:
@@ -276,6 +293,11 @@ def _dispatch(func, plan: _Plan, args, kwargs):
     kind = plan.kind
     if kind == _PLAIN or kind == _KERNEL:
         out = plan.run(*uargs, **ukwargs)
+    elif kind != _TO and _tracing(inputs):
+        # torch.compile traces (shim/torch_compile.py): a random op or dropout is itself in the graph,
+        # drawn as inductor draws; a collective names the GPU whose data it holds (shim/functional.py)
+        out = (traced_collective(func, uargs, ukwargs, out_gpu) if kind == _COLLECTIVE
+               else plan.run(*uargs, **ukwargs))
     elif kind == _TO:
         target = args[1] if func is _aten.to.device else kwargs.get("device") if kwargs else None
         out = plan.run(*uargs, **ukwargs)
@@ -408,11 +430,42 @@ def _new(elem: torch.Tensor, gpu: int, src: MirageTensor | None) -> MirageTensor
                               device=BACKEND_DEVICE)
         r._elem = elem
     r._gpu = gpu
+    if type(elem) is not torch.Tensor and traced(elem):
+        return r  # no memory of its own: what the compiled code allocates is counted once wrapped
     if src is None:
         r._mem = ALLOCATOR.hold(elem, gpu)
     else:
         r._src = src
     return r
+
+
+#: True while torch describes a tensor it makes a fake copy of (see untyped_storage)
+_describing = False
+_describe_tensor = meta_utils.MetaTensorDescriber.describe_tensor
+
+
+def _describe_wrapper_storage(self, t, *, recurse=True, trace=False):
+    """``MetaTensorDescriber.describe_tensor``, with a wrapper's own storage: its data's storage is the inner
+    tensor's, which the fake copy describes (the same storage twice reads as aliasing, which fails)."""
+    global _describing
+    prev, _describing = _describing, True
+    try:
+        return _describe_tensor(self, t, recurse=recurse, trace=trace)
+    finally:
+        _describing = prev
+
+
+def _tracing(args) -> bool:
+    """Whether the first emulated tensor among ``args`` holds a tracer's stand-in (see :func:`traced`)."""
+    for a in args:
+        if isinstance(a, MirageTensor):
+            return type(a._elem) is not torch.Tensor and traced(a._elem)
+    return False
+
+
+def traced(elem: torch.Tensor) -> bool:
+    """Whether ``elem`` is a tracer's stand-in (fake, functional) rather than data: dynamo or AOTAutograd runs."""
+    return isinstance(elem, FunctionalTensor) or is_fake(elem)
 
 
 def _native_dropout_backward(grad_output: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
@@ -496,6 +549,7 @@ _lib: torch.library.Library | None = None
 def register_factories() -> None:
     """Let C++ allocate on the backend device with no Python tensor in hand (DDP does)."""
     global _lib
+    meta_utils.MetaTensorDescriber.describe_tensor = _describe_wrapper_storage
     _lib = torch.library.Library("aten", "IMPL")
     _lib.impl("empty.memory_format", _empty_memory_format, "PrivateUse1")
     _lib.impl("empty_strided", _empty_strided, "PrivateUse1")

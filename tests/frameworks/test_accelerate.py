@@ -19,6 +19,18 @@ LAUNCH = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_
           "--mixed_precision", "no", "--dynamo_backend", "no"]
 
 
+def test_accelerate_launch_with_dynamo_backend_inductor_matches_gloo_compiled(tmp_path):
+    """``accelerate launch --dynamo_backend inductor``: Accelerate compiles the prepared model; on CPU + gloo
+    the same environment variable it sets (ACCELERATE_DYNAMO_BACKEND) compiles it there."""
+    launch = [*LAUNCH[:-1], "inductor"]
+    gpu = under_mirage(tmp_path, *launch, str(FW / "accelerate_train.py"), steps=4)
+    cpu = on_cpu("torchrun", "--standalone", "--nproc_per_node=2", str(FW / "accelerate_train.py"),
+                 steps=4, extra_env={"ACCELERATE_USE_CPU": "1", "ACCELERATE_DYNAMO_BACKEND": "INDUCTOR"})
+    assert_same_training(gpu, cpu)
+    assert gpu["graphs"] > 0, gpu
+    assert gpu["graphs"] == cpu["graphs"], (gpu, cpu)  # what torch compiles of DDP(model) there, and no more
+
+
 def test_accelerate_launch_multi_gpu_matches_gloo(tmp_path):
     gpu = under_mirage(tmp_path, *LAUNCH, str(FW / "accelerate_train.py"), steps=4)
     # Accelerate's launcher has no multi-process CPU mode without MPI; torchrun with

@@ -19,6 +19,18 @@ def test_trainer_gpt2_under_torchrun_matches_gloo(tmp_path):
     assert_same_training(gpu, cpu)
 
 
+def test_trainer_with_torch_compile_matches_gloo_compiled(tmp_path):
+    """``TrainingArguments(torch_compile=True)``: the Trainer compiles the model (inductor) under DDP; the same
+    run on CPU + gloo compiles it too."""
+    script = str(FW / "hf_trainer_gpt2.py")
+    gpu = under_mirage(tmp_path, "env", "TORCH_COMPILE=1", "torchrun", "--standalone", "--nproc_per_node=2", script,
+                       steps=6)
+    assert gpu["graphs"] > 0, gpu
+    cpu = on_cpu("torchrun", "--standalone", "--nproc_per_node=2", script, "--device", "cpu", steps=6,
+                 extra_env={"TORCH_COMPILE": "1"})
+    assert_same_training(gpu, cpu)
+
+
 def test_trainer_under_plain_python_takes_data_parallel_over_both_gpus(tmp_path):
     """One process that sees two GPUs: the Trainer wraps the model in nn.DataParallel, as on a GPU machine."""
     script = str(FW / "hf_trainer_gpt2.py")

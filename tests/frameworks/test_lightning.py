@@ -15,9 +15,9 @@ pytestmark = [pytest.mark.frameworks, pytest.mark.usefixtures("no_orphans")]
 SCRIPT = REPO_ROOT / "tests" / "fixtures" / "frameworks" / "lightning_train.py"
 
 
-def _on_cpu(strategy: str) -> dict:
+def _on_cpu(strategy: str, *more: str) -> dict:
     """The workload on CPU + gloo, without mirage (Lightning starts its own second process there too)."""
-    return on_cpu(sys.executable, str(SCRIPT), "cpu", strategy, timeout=300)
+    return on_cpu(sys.executable, str(SCRIPT), "cpu", strategy, *more, timeout=300)
 
 
 def test_lightning_ddp_on_two_gpus_matches_cpu_gloo(tmp_path):
@@ -42,3 +42,15 @@ def test_lightning_fsdp_on_two_gpus_matches_cpu_gloo(tmp_path):
     gpu = result(r.stdout)
     cpu = _on_cpu("ddp")  # Lightning's FSDP refuses the CPU; full sharding with SGD computes what DDP does
     assert gpu["final"] == pytest.approx(cpu["final"], rel=1e-4)
+
+
+def test_lightning_fits_a_compiled_module_as_on_cpu_gloo(tmp_path):
+    """``trainer.fit(torch.compile(module))`` under DDP: inductor compiles the forward on the emulated GPUs."""
+    r = mirage_run(tmp_path, "--gpus-per-node", "2", "--", "python", str(SCRIPT), "gpu", "ddp", "compile",
+                   timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    gpu = result(r.stdout)
+    assert gpu["device"] == "cuda:0" and gpu["graphs"] > 0, gpu
+    cpu = _on_cpu("ddp", "compile")
+    assert gpu["final"] == pytest.approx(cpu["final"], rel=1e-4)
+    assert gpu["checksum"] == pytest.approx(cpu["checksum"], rel=1e-4)
