@@ -11,6 +11,7 @@ which runs it on the CPU tensors inside and wraps the results again.
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 from torch._subclasses import meta_utils
@@ -111,7 +112,7 @@ class MirageTensor(torch.Tensor):
 
     def untyped_storage(self) -> torch.UntypedStorage:  # type: ignore[override]
         """The host storage holding the data, reporting this tensor's device (``cuda:i``), as on a GPU."""
-        if _describing:
+        if _describing.on:
             # a fake copy is being made: a storage of its own each time (the data's is described as the inner
             # tensor's; the same storage seen again, as when DDPOptimizer fakes its inputs anew, reads as aliasing)
             return torch.UntypedStorage(super().untyped_storage().nbytes(), device="meta")
@@ -439,20 +440,22 @@ def _new(elem: torch.Tensor, gpu: int, src: MirageTensor | None) -> MirageTensor
     return r
 
 
-#: True while torch describes a tensor it makes a fake copy of (see untyped_storage)
-_describing = False
+class _Describing(threading.local):
+    on = False  # while this thread's torch describes a tensor it makes a fake copy of (see untyped_storage)
+
+
+_describing = _Describing()
 _describe_tensor = meta_utils.MetaTensorDescriber.describe_tensor
 
 
 def _describe_wrapper_storage(self, t, *, recurse=True, trace=False):
     """``MetaTensorDescriber.describe_tensor``, with a wrapper's own storage: its data's storage is the inner
     tensor's, which the fake copy describes (the same storage twice reads as aliasing, which fails)."""
-    global _describing
-    prev, _describing = _describing, True
+    prev, _describing.on = _describing.on, True
     try:
         return _describe_tensor(self, t, recurse=recurse, trace=trace)
     finally:
-        _describing = prev
+        _describing.on = prev
 
 
 def _tracing(args) -> bool:
