@@ -43,3 +43,14 @@ def test_compiled_ddp_fsdp2_tp_and_functional_collectives_match_gloo(tmp_path):
     assert got.keys() == want.keys(), (sorted(got), sorted(want))
     for key, value in want.items():
         assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-5), (key, got[key], value)
+
+
+def test_a_hang_inside_a_compiled_graph_is_reported_as_any_other(tmp_path):
+    """A collective the compiled code runs is in the daemon's ledger: a rank that never joins it (injected at
+    rank 1's fifth collective, step 2's all_gather of the compiled function) is reported by the hang detector."""
+    r = mirage_run(tmp_path, "--gpus-per-node", "2", "--hang-timeout", "20", "--inject", "rank=1,seq=5,action=hang",
+                   "--", "torchrun", "--standalone", "--nproc_per_node=2", str(FIXTURES / "compiled_train.py"),
+                   "--case", "funcol", steps=4, timeout=300)
+    assert r.returncode == 124, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "[1] mirage: injecting hang at collective #5 of rank 1" in r.stderr
+    assert "HANG: collective #5 (ALLGATHER" in r.stderr and "missing ranks: {1}" in r.stderr, r.stderr[-3000:]
