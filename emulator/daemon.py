@@ -307,6 +307,9 @@ class Daemon:
                 self.reply(client, s.Ok(req=msg.req))
                 self.publish(s.WorldStage(world=msg.world, rank=msg.rank, size=msg.size, site=msg.site,
                                           phase=msg.phase))
+            elif isinstance(msg, s.CompileState):
+                self.hangs.pause(msg.rank, "compiling", msg.compiling)
+                self.reply(client, s.Ok(req=msg.req))
             elif isinstance(msg, s.DebuggerState):
                 self.debugged[msg.rank] = msg.pid
                 self.hangs.debugger(msg.rank, stopped=msg.phase is not s.DebugPhase.RUNNING)

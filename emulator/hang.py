@@ -6,8 +6,10 @@ so it can say after ``timeout_s`` which ranks are missing and what each one
 last did, while the run is still alive to be inspected.
 
 A rank stopped in a debugger (``--debug-rank``) is not missing, it is being
-looked at: nobody waiting for it is reported while it is stopped, and the
-timeout of a wait for it counts from when it ran again.
+looked at; nor is a rank compiling (``torch.compile``: one rank's compile can
+take longer than another's, or hit a cache the other misses). Nobody waiting for
+such a rank is reported while it is paused so, and the timeout of a wait for it
+counts from when it ran again.
 """
 
 from __future__ import annotations
@@ -24,21 +26,28 @@ class HangDetector:
     def __init__(self, timeout_s: float):
         self.timeout_s = timeout_s
         self._reported: set[tuple[str, int | str]] = set()
-        self._stopped: set[int] = set()  # global ranks stopped in a debugger
-        self._resumed: dict[int, float] = {}  # global rank -> when it last left its debugger
+        self._paused: dict[int, set[str]] = {}  # global rank -> why it is paused ("debugger", "compiling")
+        self._resumed: dict[int, float] = {}  # global rank -> when it last ran again
+
+    def pause(self, rank: int, reason: str, paused: bool, now: float | None = None) -> None:
+        """Note that global rank ``rank`` paused for ``reason``, or runs again (or died so)."""
+        reasons = self._paused.setdefault(rank, set())
+        if paused:
+            reasons.add(reason)
+            return
+        reasons.discard(reason)
+        if not reasons:
+            del self._paused[rank]
+        self._resumed[rank] = time.monotonic() if now is None else now
 
     def debugger(self, rank: int, stopped: bool, now: float | None = None) -> None:
         """Note that global rank ``rank`` stopped in its debugger, or runs again (or died there)."""
-        if stopped:
-            self._stopped.add(rank)
-        else:
-            self._stopped.discard(rank)
-            self._resumed[rank] = time.monotonic() if now is None else now
+        self.pause(rank, "debugger", stopped, now)
 
     def _since(self, began: float, missing) -> float | None:
-        """When a wait for ``missing`` began to count: None while one of them is stopped in its debugger,
-        else ``began`` or, if later, when the last of them left it."""
-        if not self._stopped.isdisjoint(missing):
+        """When a wait for ``missing`` began to count: None while one of them is paused (in its debugger,
+        compiling), else ``began`` or, if later, when the last of them ran again."""
+        if any(r in self._paused for r in missing):
             return None
         return max([began, *(self._resumed.get(r, began) for r in missing)])
 

@@ -30,7 +30,7 @@ __all__ = [
     "RankRegistered", "RankGone", "MemoryUsage", "CommJoined", "CollectiveEnqueued", "CollectiveStarted",
     "CollectiveProgress", "CollectiveCompleted", "CommFailed", "HangKind", "WorldStage", "HangDetected",
     "StragglerWarning", "HangReport", "ProtocolError", "OutputLine", "ProcessExited", "SessionEnded",
-    "DebugPhase", "DebuggerState", "RankDebugging", "RankExited", "HostLost",
+    "DebugPhase", "DebuggerState", "RankDebugging", "RankExited", "HostLost", "CompileState",
 ]
 
 VERSION = 1
@@ -577,6 +577,17 @@ class DebugPhase(str, Enum):
     WAITING = "waiting"  # stopped, listening for a debugger client to connect
     PAUSED = "paused"  # stopped at the debugger's prompt, a client attached
     RUNNING = "running"  # running again (continued, stepping to the next line, or the client left)
+
+
+@dataclass(frozen=True)
+class CompileState(Request):
+    """Rank ``rank`` (process ``pid``) began (``compiling``) or ended a ``torch.compile`` compilation: while it
+    compiles, nobody waits on it as if it hung (one rank's compile can outlast another's)."""
+
+    TYPE: ClassVar[str] = "compile_state"
+    rank: int = 0
+    pid: int = 0
+    compiling: bool = False
 
 
 @dataclass(frozen=True)

@@ -199,6 +199,25 @@ def _wrapping_fake_outputs(run_node):
     return wrapped
 
 
+def _tell_daemon(compiling: bool) -> None:
+    """Tell the daemons that this rank compiles (or no longer does): its peers' waits for it meanwhile are
+    no hang (emulator/hang.py). Before a world forms there is nothing to wait on, and nothing is told."""
+    import torch.distributed as dist
+
+    if os.environ.get("MIRAGE_IN_PROCESS") == "1" or not dist.is_available() or not dist.is_initialized():
+        return
+    from emulator.schema import CompileState
+    from shim.client import client, host_client
+
+    msg = CompileState(rank=dist.get_rank(), pid=os.getpid(), compiling=compiling)
+    head, host = client(), host_client()
+    for daemon in (head,) if host is None or host is head else (head, host):
+        try:
+            daemon.request(msg, timeout_s=5.0)
+        except Exception:  # noqa: BLE001 - a daemon gone: the run is ending, and its collectives will say so
+            return
+
+
 def _codes(module) -> list:
     """The code objects of ``module``'s functions and methods, and of the functions nested in them."""
     found = []
@@ -236,6 +255,8 @@ def _prepare_dynamo() -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = _cache_dir(sources)
     if clock.ENABLED:
         compiled_clock.install()
+    torch._dynamo.callback_handler.register_start_callback(lambda _args: _tell_daemon(compiling=True))
+    torch._dynamo.callback_handler.register_end_callback(lambda _args: _tell_daemon(compiling=False))
     from torch._dynamo.backends.distributed import SubmodCompiler
 
     SubmodCompiler.run_node = _wrapping_fake_outputs(SubmodCompiler.run_node)

@@ -54,3 +54,45 @@ def test_a_hang_inside_a_compiled_graph_is_reported_as_any_other(tmp_path):
     assert r.returncode == 124, r.stdout[-3000:] + r.stderr[-3000:]
     assert "[1] mirage: injecting hang at collective #5 of rank 1" in r.stderr
     assert "HANG: collective #5 (ALLGATHER" in r.stderr and "missing ranks: {1}" in r.stderr, r.stderr[-3000:]
+
+
+SLOW_COMPILE = r'''
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("nccl")
+rank = dist.get_rank()
+torch.cuda.set_device(rank)
+
+
+def slow_on_rank_1(gm, example_inputs):
+    if rank == 1:
+        time.sleep(6)  # rank 1 compiles three times the hang timeout while rank 0 waits in the all_reduce
+    return gm
+
+
+@torch.compile(backend=slow_on_rank_1)
+def step(t):
+    return (t * 2).sin()
+
+
+x = step(torch.ones(4, device="cuda"))
+dist.all_reduce(x)
+print(f"[rank {rank}] slow_compile_ok {x.sum().item():.4f}", flush=True)
+dist.destroy_process_group()
+'''
+
+
+def test_a_rank_still_compiling_is_not_a_hang(tmp_path):
+    """Rank 1 compiles for 6 s while rank 0 waits in the next all_reduce, with a 2 s hang timeout: a rank
+    compiling is paused, not missing (its wait counts from when it finished), so the run completes."""
+    prog = tmp_path / "slow_compile.py"
+    prog.write_text(SLOW_COMPILE)
+    r = mirage_run(tmp_path, "--gpus-per-node", "2", "--hang-timeout", "2", "--", "torchrun", "--standalone",
+                   "--nproc_per_node=2", str(prog), timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "HANG" not in r.stderr
+    assert "[1] [rank 1] slow_compile_ok" in r.stdout

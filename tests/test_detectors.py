@@ -87,6 +87,20 @@ def test_a_rank_stopped_in_its_debugger_is_not_hung_and_its_wait_counts_from_whe
     assert h.missing == [1] and h.waited_s == 1.0
 
 
+def test_a_rank_compiling_is_not_hung_and_its_wait_counts_from_when_it_finished():
+    ledger = ledger_of(2)
+    post(ledger, 0, 1, at=0.0)
+    det = HangDetector(timeout_s=1.0)
+    det.pause(1, "compiling", True)
+    det.debugger(1, stopped=True)  # two reasons at once: both must end
+    det.pause(1, "compiling", False, now=50.0)
+    assert det.scan(ledger, now=100.0) == []
+    det.debugger(1, stopped=False, now=100.0)
+    assert det.scan(ledger, now=100.9) == []
+    (h,) = det.scan(ledger, now=101.0)
+    assert h.missing == [1]
+
+
 def test_a_world_waiting_for_a_rank_in_its_debugger_is_not_hung():
     worlds, det = Worlds(), HangDetector(timeout_s=1.0)
     worlds.record(WorldFormation(world="env://h:1 #1", rank=0, size=2, pid=10), alive=lambda p, h: True)
