@@ -79,11 +79,12 @@ def under_mirage(tmp_path: Path, *command: str, steps: int, gpus: int = 2, timeo
 
 
 def mirage_in(cwd: Path, log_dir: Path, gpus: int, *command: str, steps: int | None = None,
-              timeout: float = 280) -> subprocess.CompletedProcess[str]:
+              timeout: float = 280, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """``mirage run --log-dir LOG_DIR --gpus-per-node GPUS -- COMMAND`` started in CWD, $STEPS set when given."""
     env = framework_env()
     if steps is not None:
         env["STEPS"] = str(steps)
+    env.update(extra_env or {})
     return subprocess.run(
         [sys.executable, "-m", "mirage_tui", "run", "--log-dir", str(log_dir), "--gpus-per-node", str(gpus), "--",
          *command], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
