@@ -11,10 +11,11 @@ source tests/setup_venv.sh
 # stay under 108 bytes (xdist's per-worker folders would push them over).
 base=$(mktemp -d /tmp/mt.XXXXXX)
 trap 'rm -rf "$base"' EXIT
-# With no arguments: the default suite. The framework workloads and the Slurm cluster run as
-# their own sets (-m frameworks, -m multihost), which .ci/run runs after it.
+# With no arguments: the default suite. The framework workloads, the Slurm cluster and the compiled
+# distributed programs run as their own sets (-m frameworks, -m multihost, -m compile), which .ci/run
+# runs after it.
 if [[ $# -eq 0 ]]; then
-    set -- -m "not frameworks and not multihost"
+    set -- -m "not frameworks and not multihost and not compile"
 fi
 status=0
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -n "${MIRAGE_TEST_WORKERS:-2}" --basetemp "$base/t" "$@" ||

@@ -20,7 +20,8 @@ import pytest
 from test_run import FIXTURES, mirage_run
 from test_training import run_on_cpu
 
-pytestmark = [pytest.mark.usefixtures("no_orphans"), pytest.mark.slow, pytest.mark.e2e]
+# a set of its own (bash tests/run_suite.sh -m compile), which .ci/run runs after the default suite
+pytestmark = [pytest.mark.usefixtures("no_orphans"), pytest.mark.slow, pytest.mark.e2e, pytest.mark.compile]
 
 #: "[rank 1] ddp-python_reducer step 3 loss 0.829074", "[rank 0] tp checksum 314.489422"
 _FIGURE = re.compile(r"\[rank (\d+)\] ([\w-]+ (?:step \d+ loss|checksum)) (-?\d+\.\d+)")
