@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from mirage_tui.processes import free_port
 from tests.frameworks.fwrun import FW, assert_same_training, framework_env, mirage_in, on_cpu, under_mirage
 from tests.test_run import REPO_ROOT
 
@@ -19,11 +20,16 @@ LAUNCH = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_
           "--mixed_precision", "no", "--dynamo_backend", "no"]
 
 
+def launch(*options: str) -> list[str]:
+    """``accelerate launch`` with LAUNCH's options (then ``options``) on a free port: its default, 29500, is
+    taken when two of these tests run at once (pytest-xdist's two workers)."""
+    return [*LAUNCH, *options, "--main_process_port", str(free_port())]
+
+
 def test_accelerate_launch_with_dynamo_backend_inductor_matches_gloo_compiled(tmp_path):
     """``accelerate launch --dynamo_backend inductor``: Accelerate compiles the prepared model; on CPU + gloo
     the same environment variable it sets (ACCELERATE_DYNAMO_BACKEND) compiles it there."""
-    launch = [*LAUNCH[:-1], "inductor"]
-    gpu = under_mirage(tmp_path, *launch, str(FW / "accelerate_train.py"), steps=4)
+    gpu = under_mirage(tmp_path, *launch("--dynamo_backend", "inductor"), str(FW / "accelerate_train.py"), steps=4)
     cpu = on_cpu("torchrun", "--standalone", "--nproc_per_node=2", str(FW / "accelerate_train.py"),
                  steps=4, extra_env={"ACCELERATE_USE_CPU": "1", "ACCELERATE_DYNAMO_BACKEND": "INDUCTOR"})
     assert_same_training(gpu, cpu)
@@ -32,7 +38,7 @@ def test_accelerate_launch_with_dynamo_backend_inductor_matches_gloo_compiled(tm
 
 
 def test_accelerate_launch_multi_gpu_matches_gloo(tmp_path):
-    gpu = under_mirage(tmp_path, *LAUNCH, str(FW / "accelerate_train.py"), steps=4)
+    gpu = under_mirage(tmp_path, *launch(), str(FW / "accelerate_train.py"), steps=4)
     # Accelerate's launcher has no multi-process CPU mode without MPI; torchrun with
     # ACCELERATE_USE_CPU=1 gives its MULTI_CPU (gloo) path.
     cpu = on_cpu("torchrun", "--standalone", "--nproc_per_node=2", str(FW / "accelerate_train.py"),
@@ -46,7 +52,7 @@ _SECTION = re.compile(r"^(?:\[\d+\] )?(\*\*[^*]+\*\*)$", re.M)
 def test_accelerates_own_test_script_passes_every_section(tmp_path):
     """accelerate/test_utils/scripts/test_script.py: every section it runs on CPU + gloo, then exit 0."""
     script = str(Path(accelerate.__file__).parent / "test_utils" / "scripts" / "test_script.py")
-    r = mirage_in(REPO_ROOT, tmp_path, 2, *LAUNCH, script)
+    r = mirage_in(REPO_ROOT, tmp_path, 2, *launch(), script)
     assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-5000:]
     env = framework_env()
     env["ACCELERATE_USE_CPU"] = "1"
