@@ -38,7 +38,7 @@ _FLOAT_JUNK = [None, True, False, "1.5", "", [], {}, [1.0], {"a": 1.0}, "nan"]
 
 
 def _field_types(cls) -> dict[str, str]:
-    """``int``, ``float``, ``str``, ``list`` or ``enum`` for each field of a request class."""
+    """``int``, ``float``, ``str``, ``bool``, ``list`` or ``enum`` for each field of a request class."""
     out = {}
     for name, hint in typing.get_type_hints(cls).items():
         if name == "TYPE":
@@ -122,6 +122,8 @@ class Fuzzer:
                     body[name] = g.choice([0.0, 1e-6, 0.25, 3.5e3, -1.0, 1e300, g.random()])
                 elif kind == "str":
                     body[name] = self._str()
+                elif kind == "bool":
+                    body[name] = g.choice([True, False])
                 elif kind == "list":
                     body[name] = [self._int() for _ in range(g.randrange(4))]
                 else:
