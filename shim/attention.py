@@ -507,20 +507,16 @@ def _flex_attention_eager() -> None:
     under it compiled. Replaced as the module is imported, before a program takes the
     name from it.
     """
-    from torch._C._dynamo.eval_frame import set_eval_frame
-
     module = sys.modules["torch.nn.attention.flex_attention"]
     dense = module.flex_attention
 
     def flex_attention(*args, **kwargs):
-        prior = set_eval_frame(None)  # as torch.compiler.disable
         compile_ = torch.compile
         torch.compile = _not_compiled
         try:
-            return dense(*args, **kwargs)
+            return _no_frame_compiled(dense, args, kwargs)
         finally:
             torch.compile = compile_
-            set_eval_frame(prior)
 
     flex_attention.__doc__, flex_attention.__qualname__ = dense.__doc__, dense.__qualname__
     module.flex_attention = flex_attention
@@ -531,19 +527,25 @@ def _hop_call_on(tensor_type, compile_and_call):
     call (``backend="eager"``, ``fullgraph``) to trace its functions; over emulated tensors dynamo cannot
     (the op's rule for them is its dense one, which branches on their values), so the op is called as it is,
     no frame under it compiled."""
-    from torch._C._dynamo.eval_frame import set_eval_frame
     from torch.utils._pytree import tree_leaves
 
     def call(fn, args, kwargs=None):
         if not any(isinstance(a, tensor_type) for a in tree_leaves((args, kwargs))):
             return compile_and_call(fn, args, kwargs)
-        prior = set_eval_frame(None)
-        try:
-            return fn(*args, **(kwargs or {}))
-        finally:
-            set_eval_frame(prior)
+        return _no_frame_compiled(fn, args, kwargs or {})
 
     return call
+
+
+def _no_frame_compiled(fn, args, kwargs):
+    """``fn(*args, **kwargs)`` with dynamo's frame callback off, as under ``torch.compiler.disable``."""
+    from torch._C._dynamo.eval_frame import set_eval_frame
+
+    prior = set_eval_frame(None)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        set_eval_frame(prior)
 
 
 def _not_compiled(fn, **_options):
