@@ -46,6 +46,10 @@ def _kernel(node) -> tuple | None:
         if get_dtype is not None:
             dtype = get_dtype()
             break
+    if flops is not None and dtype is None:
+        import torch
+
+        dtype = torch.float32  # a kernel whose buffers name no dtype: the math at the fp32 rate
     return name, flops, nbytes, dtype
 
 
