@@ -227,6 +227,7 @@ def _clocked_step(tmp_path, compiled: str) -> tuple[float, set[str]]:
     return report["clocked"]["predicted_step_s"], names
 
 
+@pytest.mark.compile  # in the compile set (.ci/run): it takes half a minute
 def test_clocked_mode_prices_the_kernels_inductor_generated(tmp_path):
     eager_s, eager_names = _clocked_step(tmp_path, "0")
     compiled_s, compiled_names = _clocked_step(tmp_path, "1")

@@ -325,6 +325,7 @@ def test_triton_kernels_inside_torch_compile_run_in_the_interpreter(tmp_path):
     assert "compiled_ok" in _rank_lines(r.stdout), r.stdout[-3000:]
 
 
+@pytest.mark.compile  # in the compile set (.ci/run): it takes half a minute
 def test_liger_kernels_match_torch(tmp_path):
     pytest.importorskip("liger_kernel")
     r = mirage_run(tmp_path / "runs", "--in-process", "--", "python", _program(tmp_path, "liger.py", LIGER))
