@@ -20,6 +20,8 @@ from __future__ import annotations
 import sys
 import threading
 
+import torch
+
 from shim import clock
 from shim import device as dev
 from shim.import_hooks import after_import
@@ -47,8 +49,6 @@ def _kernel(node) -> tuple | None:
             dtype = get_dtype()
             break
     if flops is not None and dtype is None:
-        import torch
-
         dtype = torch.float32  # a kernel whose buffers name no dtype: the math at the fp32 rate
     return name, flops, nbytes, dtype
 
