@@ -1,4 +1,4 @@
-"""The collective cost model (emulator/collective_cost.py) against published rccl-tests results.
+"""The collective cost model (wire/collective_cost.py) against published rccl-tests results.
 
     python bench/clocked_collectives.py            # 8 x MI300X, one node
     python bench/clocked_collectives.py --step 2   # published sizes and every power of two only
@@ -35,8 +35,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from emulator.collective_cost import Collective, bus_factor, estimate  # noqa: E402
-from emulator.profiles import load_profile  # noqa: E402
+from wire.collective_cost import Collective, bus_factor, estimate  # noqa: E402
+from wire.profiles import load_profile  # noqa: E402
 
 KIB, MIB, GIB = 2**10, 2**20, 2**30
 

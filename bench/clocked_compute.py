@@ -20,8 +20,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from emulator.profiles import load_profile  # noqa: E402
 from shim.roofline import KERNEL_LAUNCH_S, OpCost, op_cost, peak_and_efficiency  # noqa: E402
+from wire.profiles import load_profile  # noqa: E402
 
 MAX_ERROR = 0.15
 

@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from daemon_client import DaemonProcess, Group  # noqa: E402
-from emulator import schema as s  # noqa: E402
+
+from wire import schema as s  # noqa: E402
 
 SMALL = 256  # float32 elements per small all-reduce
 SLOT = 4096  # bytes per in-flight slot of a rank's arena

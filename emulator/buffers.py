@@ -28,7 +28,7 @@ import stat
 
 import numpy as np
 
-from emulator.arena import ArenaError
+from wire.arena import ArenaError
 
 #: What one client may have mapped at once (the rank side registers far less: its persistent
 #: collective buffers). Beyond it a registration is refused and the rank stages that tensor.

@@ -35,21 +35,22 @@ from collections.abc import Sequence
 import numpy as np
 import zmq
 
-from emulator import schema as s
-from emulator.arena import Arena, ArenaError, check_name
 from emulator.buffers import RankBuffers
-from emulator.collective_clock import CollectiveClock, Timing
+from emulator.collective_clock import CollectiveClock
 from emulator.fast_socket import FastSocketServer, is_fast
 from emulator.hang import HangDetector
-from emulator.lifetime import alive, die_with_parent, orphaned, stop_orphans
-from emulator.kernels import DTYPES, KernelError, Segmented, itemsize
 from emulator.ledger import CommError, Communicator, Ledger, Posted, Worlds
-from emulator.profiles import load_profile
+from emulator.lifetime import die_with_parent, orphaned, stop_orphans
 from emulator.scheduler import Job, WaveScheduler, input_elements, make_job, make_p2p_job
 from emulator.straggler import StragglerDetector
+from wire import schema as s
+from wire.arena import Arena, ArenaError, check_name
+from wire.collective_timing import Timing
+from wire.endpoints import TCP_ENDPOINT_FILE, endpoints
+from wire.kernels import DTYPES, KernelError, Segmented, itemsize
+from wire.procfs import alive
+from wire.profiles import load_profile
 
-RPC_SOCKET = "rpc.sock"
-EVENT_SOCKET = "events.sock"
 #: How often progress events go out for one collective, at most.
 PROGRESS_INTERVAL_S = 0.05
 HANG_SCAN_INTERVAL_S = 0.1
@@ -76,15 +77,6 @@ MAX_FRAME_BYTES = s.MAX_DATA_FRAME_BYTES
 #: What CURVE adds to a message on the wire (its MESSAGE command, nonce, flags and MAC: 33 bytes), rounded up.
 CURVE_BOX_BYTES = 64
 ONE_FRAME = "malformed request: expected one frame (data frames follow only a socket-transport collective)"
-
-
-#: Where a daemon started with ``--listen`` writes its TCP endpoint (read by the session).
-TCP_ENDPOINT_FILE = "tcp-endpoint"
-
-
-def endpoints(run_dir: str) -> tuple[str, str]:
-    """The (rpc, events) ZeroMQ endpoints of the daemon serving ``run_dir``."""
-    return f"ipc://{os.path.join(run_dir, RPC_SOCKET)}", f"ipc://{os.path.join(run_dir, EVENT_SOCKET)}"
 
 
 def listen_tcp(sock: zmq.Socket, address: str, secret_key_file: str) -> str:

@@ -3,7 +3,7 @@
 ZeroMQ moves each message through an I/O thread at either end (about 56 us a
 round trip here, against 5 us for a bare unix socket), which dominated a small
 collective's latency; so requests without data frames come here instead
-(``schema.FAST_SOCKET`` next to ``rpc.sock``), one datagram per request or
+(``wire.endpoints.FAST_SOCKET`` next to ``rpc.sock``), one datagram per request or
 reply. This module owns the connections: accepting them, reading requests
 (with the file descriptors a ``RegisterBuffer`` carries), queueing replies a
 busy rank is not reading yet, and dropping a connection when its rank exits.
@@ -23,7 +23,8 @@ from collections.abc import Callable
 import numpy as np
 import zmq
 
-from emulator import schema as s
+from wire import schema as s
+from wire.endpoints import FAST_SOCKET
 
 #: How a fast-socket connection is named where a ZeroMQ client's routing id would be: ZeroMQ's own
 #: ids are 5 bytes starting with a zero byte and it refuses ids that a client sets starting with
@@ -59,7 +60,7 @@ class FastSocketServer:
 
     def __init__(self, run_dir: str, poller: zmq.Poller, on_request: OnRequest, on_refuse: OnRefuse,
                  on_drop: OnDrop):
-        path = os.path.join(run_dir, s.FAST_SOCKET)
+        path = os.path.join(run_dir, FAST_SOCKET)
         if os.path.exists(path):  # a previous daemon of this run directory left it
             os.unlink(path)
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 
 from emulator.ledger import Communicator, Ledger, Worlds
-from emulator.schema import CollOp, HangDetected, HangKind
+from wire.schema import CollOp, HangDetected, HangKind
 
 
 class HangDetector:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from emulator.profiles import bus_id
-from emulator.schema import CollOp, Collective, CommInit, WorldFormation, WorldPhase
+from wire.profiles import bus_id
+from wire.schema import Collective, CollOp, CommInit, WorldFormation, WorldPhase
 
 
 class CommError(Exception):

@@ -13,16 +13,8 @@ import signal
 import sys
 import time
 
-from emulator.arena import session_segments
-
-
-def alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie, exited but not yet reaped, counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return False
+from wire.arena import session_segments
+from wire.procfs import alive
 
 
 def _of_session(pid: int, session: str) -> bool:

@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from emulator import kernels
-from emulator.arena import Arena
-from emulator.collective_clock import Timing
 from emulator.ledger import Communicator, Posted
-from emulator.schema import CollOp, Collective, Transport
+from wire import kernels
+from wire.arena import Arena
+from wire.collective_timing import Timing
+from wire.schema import Collective, CollOp, Transport
 
 #: 512 KiB, NCCL's step size (its 4 MiB buffer over 8 steps); smaller than the 2 MiB it was, a
 #: chunk's first output is still in the core's 2 MiB L2 when the kernel copies it to the others

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from emulator.ledger import Communicator, Posted
-from emulator.schema import StragglerWarning
+from wire.schema import StragglerWarning
 
 #: A rank this much later than the first arrival counts as late...
 MARGIN_S = 0.25

@@ -6,7 +6,7 @@ programs); each host's agent (:mod:`mirage_tui.node_agent`) connects a DEALER.
 The agent's first message, :class:`AgentHello`, carries the session token; the
 session ignores a connection until it has presented it. Messages are JSON
 objects with a ``type``; output lines travel in the daemon's own event encoding
-(:func:`emulator.schema.encode`), so the session records them as it does its own.
+(:func:`wire.schema.encode`), so the session records them as it does its own.
 """
 
 from __future__ import annotations

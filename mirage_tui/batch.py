@@ -8,11 +8,11 @@ from __future__ import annotations
 import signal
 import sys
 
-from emulator import schema as s
 from mirage_tui import report
 from mirage_tui.runstate import Outcome, RunState
 from mirage_tui.session import LaunchError, Session
 from mirage_tui.topology import Topology
+from wire import schema as s
 
 
 def _print_event(event: s.Event, state: RunState) -> None:

@@ -18,13 +18,12 @@ from dataclasses import dataclass
 
 import psutil
 
-from emulator import schema as s
-from emulator.arena import session_segments
-from emulator.daemon import EVENT_SOCKET, RPC_SOCKET
-from emulator.messages import FAST_SOCKET
 from mirage_tui import report, rundir, sessions
 from mirage_tui.runstate import Outcome, RunState
 from mirage_tui.topology import ExecMode, Topology
+from wire import schema as s
+from wire.arena import session_segments
+from wire.endpoints import EVENT_SOCKET, FAST_SOCKET, RPC_SOCKET
 
 #: The exit code recorded for a session whose owner was killed (as a shell reports SIGKILL).
 KILLED_EXIT = 128 + signal.SIGKILL

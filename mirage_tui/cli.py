@@ -22,21 +22,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from emulator import faults
-from emulator.faults import Fault
-from emulator.profiles import (
-    DEFAULT_PROFILE,
-    PROFILE_DIR,
-    Profile,
-    ProfileError,
-    create_user_profile,
-    load_profile,
-    parse_field,
-    profile_names,
-    profile_path,
-    profile_values,
-    user_profile_dir,
-)
 from mirage_tui import __version__
 from mirage_tui.topology import (
     CLEARED_ENV_KEEPS,
@@ -53,6 +38,21 @@ from mirage_tui.topology import (
     parse_size,
     slurm_hosts,
     validate,
+)
+from wire import faults
+from wire.faults import Fault
+from wire.profiles import (
+    DEFAULT_PROFILE,
+    PROFILE_DIR,
+    Profile,
+    ProfileError,
+    create_user_profile,
+    load_profile,
+    parse_field,
+    profile_names,
+    profile_path,
+    profile_values,
+    user_profile_dir,
 )
 
 USAGE_EXIT = 2

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import zmq
 
-from emulator import schema as s
-from emulator.daemon import endpoints
+from wire import schema as s
+from wire.endpoints import endpoints
 
 #: How long a daemon has to answer its first ping.
 START_TIMEOUT_S = 20.0

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 import psutil
 
-from emulator.schema import STACK_SIGNAL, CollOp, HangDetected, HangKind
+from wire.schema import STACK_SIGNAL, CollOp, HangDetected, HangKind
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ import pickle
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from emulator import schema as s
 from mirage_tui.runstate import read_journal
+from wire import schema as s
 
 #: The dump format version torch 2.13 writes (``version_val`` in
 #: FlightRecorder.hpp); the analyzer picks its matching logic by it.

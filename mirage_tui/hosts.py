@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from emulator import kineto_trace
-from emulator import schema as s
 from mirage_tui import agent_protocol as ap
 from mirage_tui.processes import signal_group
+from wire import kineto_trace
+from wire import schema as s
 
 #: How long every host's agent has to start and say hello (srun, Python, the imports).
 HELLO_TIMEOUT_S = 60.0

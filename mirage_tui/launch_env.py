@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from emulator import faults
-from emulator.profiles import profile_path
 from mirage_tui.topology import ExecMode, Topology, kept_env
+from wire import faults
+from wire.profiles import profile_path
 
 BOOT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "shim", "boot")
 

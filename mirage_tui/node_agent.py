@@ -30,15 +30,15 @@ import time
 
 import zmq
 
-from emulator import kineto_trace
-from emulator import schema as s
-from emulator.daemon import endpoints
-from emulator.lifetime import alive
 from mirage_tui import agent_protocol as ap
 from mirage_tui import diagnosis, netif
 from mirage_tui.daemon_proc import DaemonSettings, DaemonStartError, StartedDaemon, start_daemon
 from mirage_tui.output import RankTail, pump_pipe
 from mirage_tui.processes import StartError, free_port, kill_carrying, signal_group, spawn, stop_child, terminate
+from wire import kineto_trace
+from wire import schema as s
+from wire.endpoints import endpoints
+from wire.procfs import alive
 
 #: Every process the agent starts carries it: its sweep at the end finds them by it.
 HOST_TAG = ap.HOST_TAG

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 from typing import IO
 
-from emulator.schema import OutputLine, Stream
+from wire.schema import OutputLine, Stream
 
 _RANK_FILE = re.compile(r"^rank-(\d+)\.(stdout|stderr)$")
 #: A line longer than this is emitted in pieces of at most this size (each piece one event, which

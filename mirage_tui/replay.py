@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from emulator import schema as s
+from wire import schema as s
 
 #: Playback speeds the ``+``/``-`` keys step through (multiples of the recorded pace).
 SPEEDS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)

@@ -9,11 +9,11 @@ import json
 import os
 import sys
 
-from emulator.schema import HangKind
 from mirage_tui.glyphs import human_bytes, human_seconds
 from mirage_tui.rundir import RunDir
 from mirage_tui.runstate import Outcome, RunState
 from mirage_tui.topology import ExecMode, Topology
+from wire.schema import HangKind
 
 
 def clocked_line(state: RunState, profile: str = "") -> str:

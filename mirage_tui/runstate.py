@@ -18,11 +18,11 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from emulator import schema as s
 from mirage_tui import runstate_clocked
 from mirage_tui.glyphs import human_bytes
 from mirage_tui.runstate_clocked import CLOCKED_COLLECTIVES, ClockedColl, Prediction, RankClock, Timeline
 from mirage_tui.traffic import Traffic
+from wire import schema as s
 
 #: Samples of allocated bytes kept per (rank, GPU): the console draws them as a sparkline in a narrow pane.
 MEMORY_HISTORY = 10

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
-from emulator import schema as s
+from wire import schema as s
 
 #: Clocked collectives kept per communicator (their emulated start and end): the timeline draws the last
 #: few steps only, and the step figures come from the ranks' own step reports, which are all kept.

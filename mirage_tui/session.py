@@ -33,12 +33,8 @@ from dataclasses import dataclass
 
 import zmq
 
-from emulator import kineto_trace
-from emulator import schema as s
-from emulator.arena import session_segments
-from emulator.daemon import TCP_ENDPOINT_FILE, endpoints
-from mirage_tui import diagnosis, flight_recorder, netif, report, rundir, sessions
 from mirage_tui import agent_protocol as ap
+from mirage_tui import diagnosis, flight_recorder, netif, report, rundir, sessions
 from mirage_tui.daemon_proc import DaemonSettings, DaemonStartError, start_daemon
 from mirage_tui.hosts import Hosts, HostsError, RemoteProcess
 from mirage_tui.launch_env import BOOT_DIR, RankEnvironment, node_env, rank_env
@@ -47,6 +43,10 @@ from mirage_tui.processes import TERM_GRACE_S, StartError, free_port, kill_carry
 from mirage_tui.runstate import Outcome, RunState
 from mirage_tui.topology import Launcher, OnHang, Topology, UsageError, slurm_hosts
 from shim.bootstrap import is_torchrun_agent
+from wire import kineto_trace
+from wire import schema as s
+from wire.arena import session_segments
+from wire.endpoints import TCP_ENDPOINT_FILE, endpoints
 
 #: How long the other nodes may keep running after one failed.
 FAIL_GRACE_S = 3.0

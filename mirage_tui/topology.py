@@ -16,8 +16,8 @@ import shutil
 from dataclasses import dataclass
 from enum import Enum
 
-from emulator.faults import Fault
-from emulator.profiles import DEFAULT_PROFILE, ProfileError, load_profile
+from wire.faults import Fault
+from wire.profiles import DEFAULT_PROFILE, ProfileError, load_profile
 
 MAX_GPUS_PER_NODE = 64
 MAX_NODES = 1024

@@ -10,8 +10,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from emulator import schema as s
 from mirage_tui.glyphs import bar, human_bytes, sparkline
+from wire import schema as s
 
 #: Seconds of throughput history drawn.
 HISTORY_S = 20

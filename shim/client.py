@@ -21,8 +21,9 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from emulator import schema as s
-from emulator.arena import Arena, arena_name
+from wire import schema as s
+from wire.arena import Arena, arena_name
+from wire.endpoints import fast_socket_path
 
 _ALIGN = 64
 #: How often a rank waiting for a reply checks that the daemon still runs.
@@ -57,12 +58,12 @@ def curve_client(sock: zmq.Socket, server_key: str) -> None:
 
 
 def _connect_fast(endpoint: str) -> socket.socket | None:
-    """The daemon's fast socket (``schema.FAST_SOCKET``, next to its ``ipc://`` endpoint), or None."""
+    """The daemon's fast socket (``wire.endpoints.FAST_SOCKET``, next to its ``ipc://`` endpoint), or None."""
     if not endpoint.startswith("ipc://"):
         return None
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
-        sock.connect(os.path.join(os.path.dirname(endpoint[len("ipc://"):]), s.FAST_SOCKET))
+        sock.connect(fast_socket_path(endpoint))
     except OSError:
         sock.close()
         return None

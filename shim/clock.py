@@ -22,7 +22,7 @@ right answers; the clock says when each *would* have run on the profile's GPU:
 The host itself is modeled as infinitely fast: it only waits where it
 synchronises. Each ``optimizer.step()`` (over GPU parameters) ends a step: the step's emulated time,
 compute, communication and exposed (not overlapped) communication go to the
-daemon as a :class:`~emulator.schema.StepReport`. At exit the rank writes its
+daemon as a :class:`~wire.schema.StepReport`. At exit the rank writes its
 kernels and collectives as a Kineto-style trace (``traces/rank-<R>.json`` in
 the run directory). Functional mode has no clock: :data:`CLOCK` is None and the
 dispatch pays one test of it per op.
@@ -37,8 +37,8 @@ import threading
 
 import torch
 
-from emulator.profiles import Profile
 from shim.roofline import kernel_cost, op_cost
+from wire.profiles import Profile
 
 #: whether this process keeps emulated time
 ENABLED = os.environ.get("MIRAGE_EXEC_MODE") == "clocked"
@@ -301,7 +301,7 @@ class Clock:
 
 
 def collective_name(op) -> str:
-    """``nccl:all_reduce`` and so on, for a :class:`~emulator.schema.CollOp`."""
+    """``nccl:all_reduce`` and so on, for a :class:`~wire.schema.CollOp`."""
     return "nccl:" + _COLL_NAMES.get(op.value, op.value)
 
 
@@ -318,8 +318,8 @@ def _send_step(report: dict) -> None:
     """Tell the daemon (unanswered); a rank without one (a test, in process) keeps its figures."""
     if not os.environ.get("MIRAGE_ENDPOINT"):
         return
-    from emulator.schema import StepReport
     from shim.client import client
+    from wire.schema import StepReport
 
     rank = _global_rank()
     try:
@@ -340,7 +340,7 @@ def write_trace() -> str | None:
     run_dir = os.environ.get("MIRAGE_RUN_DIR")
     if CLOCK is None or not run_dir or not CLOCK.events:
         return None
-    from emulator import kineto_trace
+    from wire import kineto_trace
 
     rank = CLOCK.rank if CLOCK.rank is not None else _global_rank()
     rank = 0 if rank is None else rank

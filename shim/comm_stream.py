@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from emulator import schema as s
 from shim import clock
 from shim import comms_profiler as prof
+from wire import schema as s
 
 #: Posting and completing collectives, from any thread of the process.
 LOCK = threading.Lock()

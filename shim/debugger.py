@@ -25,7 +25,8 @@ import pdb
 import socket
 import sys
 
-from emulator import schema as s
+from wire import schema as s
+from wire.endpoints import fast_socket_path
 
 #: Only this machine may attach: a debugger runs any code it is given in the rank.
 HOST = "127.0.0.1"
@@ -40,7 +41,7 @@ def _tell_daemon(rank: int, phase: s.DebugPhase, debugger: str, address: str, co
         return
     msg = s.DebuggerState(rank=rank, node=int(os.environ.get("MIRAGE_NODE_RANK", "0")), pid=os.getpid(),
                           phase=phase, debugger=debugger, address=address, connect=connect)
-    path = os.path.join(os.path.dirname(endpoint[len("ipc://"):]), s.FAST_SOCKET)
+    path = fast_socket_path(endpoint)
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
             sock.settimeout(DAEMON_TIMEOUT_S)

@@ -17,8 +17,7 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from emulator.profiles import Profile, load_profile
-
+from wire.profiles import Profile, load_profile
 
 #: The name the PrivateUse1 backend is registered under (C++ sees ``mirage:0``).
 BACKEND = "mirage"

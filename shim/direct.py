@@ -42,9 +42,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from emulator import kernels
-from emulator.arena import SHM_DIR, arena_name
-from emulator.schema import DIRECT_OPS, CollOp, ReduceOp
+from wire import kernels
+from wire.arena import SHM_DIR, arena_name
+from wire.schema import DIRECT_OPS, CollOp, ReduceOp
 
 
 def _max_bytes() -> int:

@@ -1,6 +1,6 @@
 """``mirage run --inject``: the faults planned for this rank's collectives, acted out when their turn comes.
 
-The plan (``emulator/faults.py``) travels in the environment for the whole
+The plan (``wire/faults.py``) travels in the environment for the whole
 run; this process takes its rank's share when its default group is created
 (not by $RANK: mp.spawn children all inherit their parent's) and counts that
 group's sequence numbers.
@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-from emulator import faults
+from wire import faults
 
 _PLANNED = faults.parse_env(os.environ.get(faults.ENV, ""))
 _FAULTS: list[faults.Fault] = []

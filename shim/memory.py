@@ -22,9 +22,8 @@ import time
 
 import torch
 
-from shim import deferred
+from shim import deferred, memory_history
 from shim import device as dev
-from shim import memory_history
 
 BLOCK = 512  # the allocator rounds every request up to this
 SEGMENT = 2 << 20  # and reserves device memory in multiples of this
@@ -392,8 +391,8 @@ _reporter_pid = 0  # the process that started the reporter: a forked child inher
 def _report(timeout_s: float) -> bool:
     """Send every GPU's figures this rank touched, if they changed since the last report; False if the
     daemon could not be reached."""
-    from emulator.schema import MemoryReport
     from shim.client import client
+    from wire.schema import MemoryReport
 
     global _reported
     with _report_lock:

@@ -13,8 +13,8 @@ import socket
 import sys
 import threading
 
-from emulator.profiles import bus_id
 from shim.cuda import NCCL_VERSION
+from wire.profiles import bus_id
 
 _version_printed = False
 

@@ -15,8 +15,8 @@ import threading
 
 import torch.distributed as dist
 
-from emulator import schema as s
 from shim.cuda import NCCL_VERSION
+from wire import schema as s
 
 _NCCL_TEXT = {
     "ncclInvalidUsage": ("invalid usage", "This usually reflects invalid usage of NCCL library."),

@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 
-from emulator.schema import STACK_SIGNAL
+from wire.schema import STACK_SIGNAL
 
 _stacks_file = None  # kept open for the life of the process: faulthandler writes to its fd
 

@@ -25,19 +25,18 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from emulator import schema as s
-from shim import clock
+from shim import clock, fault_injection, graphs
 from shim import comm_stream as stream
 from shim import comms_profiler as prof
 from shim import device as dev
-from shim import fault_injection, graphs
 from shim.call_forms import c10d_forms
 from shim.call_site import call_site
-from shim.comm_stream import Pending, P2PWork
+from shim.comm_stream import P2PWork, Pending
 from shim.functional import host_gpu
 from shim.nccl_errors import nccl_error
 from shim.tensor import MirageTensor
 from shim.transports import Call, Comm, Paths, route
+from wire import schema as s
 
 IN_PROCESS_MESSAGE = (
     "--in-process gives each process its own emulator; multi-process collectives need the daemon "

@@ -17,9 +17,9 @@ def register_rank(rank: int) -> None:
     """Announce this process to the daemon as global rank ``rank`` and report its GPU memory under it."""
     if os.environ.get("MIRAGE_IN_PROCESS") == "1" or "MIRAGE_ENDPOINT" not in os.environ:
         return
-    from emulator.schema import Hello
     from shim import memory
     from shim.client import client, host_client
+    from wire.schema import Hello
 
     node = int(os.environ.get("MIRAGE_NODE_RANK", "0"))
     hello = Hello(rank=rank, node=node, pid=os.getpid(), host=socket.gethostname())

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from emulator.profiles import Profile
+from wire.profiles import Profile
 
 # In a rank torch.version.hip is set (the shim reports ROCm), so importing flop_counter would log
 # "triton not found" on the user's stderr: quiet that logger for the import.

@@ -40,9 +40,9 @@ from dataclasses import dataclass
 
 import torch
 
-from emulator import schema as s
 from shim import nccl_debug
 from shim.memory import ALLOCATOR
+from wire import schema as s
 
 SHM_DIR = "/dev/shm"  # where torch puts a shared storage's (unlinked) file
 

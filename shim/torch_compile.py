@@ -38,9 +38,9 @@ from pathlib import Path
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from shim.import_hooks import after_import
 from shim import clock, compiled_clock
 from shim import device as dev
+from shim.import_hooks import after_import
 from shim.tensor import BACKEND, MirageTensor, _new
 
 #: the environment variable that keeps ``torch.compile`` eager (its one value, ``eager``)
@@ -206,8 +206,8 @@ def _tell_daemon(compiling: bool) -> None:
 
     if os.environ.get("MIRAGE_IN_PROCESS") == "1" or not dist.is_available() or not dist.is_initialized():
         return
-    from emulator.schema import CompileState
     from shim.client import client, host_client
+    from wire.schema import CompileState
 
     msg = CompileState(rank=dist.get_rank(), pid=os.getpid(), compiling=compiling)
     head, host = client(), host_client()

@@ -35,19 +35,19 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from emulator import kernels
-from emulator import schema as s
-from emulator.arena import Arena, arena_name
-from emulator.collective_clock import Timing, timing
 from shim import client as cl
-from shim import comm_stream as stream
 from shim import clock, direct, nccl_debug
+from shim import comm_stream as stream
 from shim import device as dev
 from shim import shared_buffers as sb
 from shim.call_site import call_site
-from shim.comm_stream import Pending, P2PWork
+from shim.comm_stream import P2PWork, Pending
 from shim.nccl_errors import nccl_error, watchdog_timeout
 from shim.tensor import MirageTensor
+from wire import kernels
+from wire import schema as s
+from wire.arena import Arena, arena_name
+from wire.collective_timing import Timing, timing
 
 
 @dataclass

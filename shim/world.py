@@ -25,8 +25,8 @@ from urllib.parse import parse_qs, urlparse
 
 import torch.distributed.distributed_c10d as c10d
 
-from emulator import schema as s
 from shim.call_site import call_site
+from wire import schema as s
 
 #: How many worlds this process formed under each rendezvous address: the ranks of one world
 #: agree on the count, and a world formed again (after ``destroy_process_group``) is a new one.

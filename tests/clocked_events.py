@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from emulator import schema as s
+from wire import schema as s
 
 COMM = "c10c4ed5a1b2c3d4e5f60718293a4b5c"
 RANKS = 4

@@ -54,7 +54,8 @@ def no_orphans(tmp_path):
 def daemon():
     """A real ``python -m emulator`` daemon shared by a test module; it must leave no arena behind."""
     from daemon_client import DaemonProcess
-    from emulator.arena import session_segments
+
+    from wire.arena import session_segments
 
     d = DaemonProcess()
     try:

@@ -22,10 +22,10 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-from emulator import schema as s
-from emulator.arena import Arena, arena_name, session_segments
-from emulator.daemon import endpoints
-from emulator.kernels import DTYPES
+from wire import schema as s
+from wire.arena import Arena, arena_name, session_segments
+from wire.endpoints import FAST_SOCKET, endpoints
+from wire.kernels import DTYPES
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 #: Longest a test waits for any one reply or event before failing (never hangs).
@@ -90,7 +90,7 @@ class FastClient:
     def __init__(self, daemon):
         self.token = daemon.token
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.sock.connect(os.path.join(daemon.run_dir, s.FAST_SOCKET))
+        self.sock.connect(os.path.join(daemon.run_dir, FAST_SOCKET))
         self._ids = itertools.count(1)
 
     def send(self, msg: s.Request, token: str | None = None) -> int:

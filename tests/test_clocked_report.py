@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import json
 
+import clocked_events as ce
 import pytest
 
-import clocked_events as ce
-from emulator import kineto_trace
-from mirage_tui import report
-from mirage_tui import rundir
+from mirage_tui import report, rundir
 from mirage_tui.glyphs import human_seconds
 from mirage_tui.runstate import Outcome, RunState
 from mirage_tui.runstate_clocked import step_segments
 from mirage_tui.topology import ExecMode, Topology
+from wire import kineto_trace
 
 MS = 1e-3
 

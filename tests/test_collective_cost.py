@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from emulator.collective_cost import (
+from wire.collective_cost import (
     BASE_LATENCY_US,
     NIC_EFFICIENCY,
     XGMI_EFFICIENCY,
@@ -19,7 +19,7 @@ from emulator.collective_cost import (
     candidates,
     estimate,
 )
-from emulator.profiles import load_profile
+from wire.profiles import load_profile
 
 MI300X = load_profile("mi300x")
 MIB, GIB = 2**20, 2**30

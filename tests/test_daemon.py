@@ -15,10 +15,10 @@ import time
 
 import numpy as np
 import pytest
-
 from daemon_client import TIMEOUT_S, DaemonProcess, Events, FastClient, bf16_bits, bf16_to_f32, fast_group
-from emulator import schema as s
-from emulator.arena import Arena, arena_name
+
+from wire import schema as s
+from wire.arena import Arena, arena_name
 
 C = s.CollOp
 R = s.ReduceOp

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from emulator.hang import HangDetector
 from emulator.ledger import Ledger, Worlds
-from emulator.schema import CollOp, Collective, CommInit, WorldFormation
 from emulator.straggler import StragglerDetector
+from wire.schema import Collective, CollOp, CommInit, WorldFormation
 
 
 def ledger_of(size: int, globals_: list[int] | None = None) -> Ledger:

@@ -13,11 +13,11 @@ import uuid
 
 import numpy as np
 import pytest
-
 from daemon_client import TIMEOUT_S, Events, FastClient, fast_group, stamped
-from emulator import schema as s
-from emulator.arena import session_segments
+
 from shim import direct
+from wire import schema as s
+from wire.arena import session_segments
 
 C = s.CollOp
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "ml")

@@ -8,10 +8,11 @@ import subprocess
 import sys
 
 import pytest
-
-from emulator import schema as s
-from mirage_tui.flight_recorder import PREFIX, dump_run, write_dumps
 from test_run import FIXTURES, REPO_ROOT, mirage_run, run_dir
+
+from mirage_tui.flight_recorder import PREFIX, dump_run, write_dumps
+from wire import schema as s
+
 SITE = "/job/train.py:42:train_step"
 
 

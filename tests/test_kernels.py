@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from daemon_client import bf16_bits, bf16_to_f32
-from emulator import kernels
-from emulator.kernels import KernelError, itemsize, reduce, typed
-from emulator.schema import ReduceOp
+
+from wire import kernels
+from wire.kernels import KernelError, itemsize, reduce, typed
+from wire.schema import ReduceOp
 
 R = ReduceOp
 ALL_OPS = [R.SUM, R.AVG, R.PRODUCT, R.MIN, R.MAX]

@@ -13,16 +13,16 @@ import signal
 import numpy as np
 import pytest
 import zmq
-
 from daemon_client import DaemonProcess, stamped
 from test_cli_usage import mirage
-from emulator import kineto_trace
-from emulator import schema as s
-from emulator.daemon import TCP_ENDPOINT_FILE
+
 from mirage_tui import agent_protocol as ap
 from mirage_tui import netif
 from mirage_tui.hosts import Hosts
 from mirage_tui.topology import UsageError
+from wire import kineto_trace
+from wire import schema as s
+from wire.endpoints import TCP_ENDPOINT_FILE
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from emulator.profiles import (
+from wire.profiles import (
     DEFAULT_PROFILE,
     PROFILE_DIR,
     Profile,
@@ -151,7 +151,7 @@ def test_invalid_toml_and_missing_file(tmp_path):
 
 
 def test_profiles_module_does_not_import_torch():
-    code = "import sys, emulator.profiles as p; p.list_profiles(); print('torch' in sys.modules)"
+    code = "import sys, wire.profiles as p; p.list_profiles(); print('torch' in sys.modules)"
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO_ROOT
     )

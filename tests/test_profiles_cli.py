@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from emulator.profiles import PROFILE_DIR
+from wire.profiles import PROFILE_DIR
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUILTINS = ["mi300x", "mi325x", "mi350x", "mi355x"]

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from emulator.profiles import load_profile
 from shim import roofline
 from shim.roofline import op_cost
+from wire.profiles import load_profile
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 aten = torch.ops.aten

@@ -12,13 +12,13 @@ import uuid
 
 import numpy as np
 import pytest
-
 from daemon_client import bf16_bits, bf16_to_f32
-from emulator.arena import Arena, ArenaError, arena_name
-from emulator.kernels import KernelError
+
 from emulator.ledger import Communicator, Posted
 from emulator.scheduler import CHUNK_BYTES, WAVE_BYTES, Job, WaveScheduler, make_job
-from emulator.schema import CollOp, Collective, CommInit, ReduceOp
+from wire.arena import Arena, ArenaError, arena_name
+from wire.kernels import KernelError
+from wire.schema import Collective, CollOp, CommInit, ReduceOp
 
 C = CollOp
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from emulator import codec
-from emulator import schema as s
+from wire import codec
+from wire import schema as s
 
 #: values of every JSON kind (and some a field's type refuses), put in each field of each message
 ODD_VALUES = ["h\u00e9\"llo\\\n\ud800{}'", "", 7, -1, 2**70, 0, True, False, 1.5, -0.0, 1e300, float("nan"),

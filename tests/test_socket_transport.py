@@ -16,12 +16,12 @@ import uuid
 import numpy as np
 import pytest
 import zmq
-
 from daemon_client import TIMEOUT_S, DaemonProcess, Events
-from emulator import schema as s
-from emulator.arena import Arena, arena_name
-from emulator.kernels import Segmented
 from test_run import FIXTURES, SOCKET_ENV, events, mirage_run
+
+from wire import schema as s
+from wire.arena import Arena, arena_name
+from wire.kernels import Segmented
 
 C = s.CollOp
 SOCKET = s.Transport.SOCKET

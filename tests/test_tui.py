@@ -16,12 +16,15 @@ import pytest
 
 pytest.importorskip("textual")
 
+from orphans import session_processes  # noqa: E402
 from rich.console import Console  # noqa: E402
-
 from textual.widgets import Button, DataTable, Input, Log, Select, Static, Switch, TextArea, Tree  # noqa: E402
 
-from mirage_tui import replay  # noqa: E402
-from mirage_tui import launch_forms, topology_file  # noqa: E402
+from mirage_tui import (  # noqa: E402
+    launch_forms,
+    replay,  # noqa: E402
+    topology_file,
+)
 from mirage_tui.app.app import MirageApp  # noqa: E402
 from mirage_tui.app.confirm import ConfirmScreen  # noqa: E402
 from mirage_tui.app.ranks_pane import RankTree  # noqa: E402
@@ -31,7 +34,6 @@ from mirage_tui.app.setup import SetupScreen  # noqa: E402
 from mirage_tui.app.stacks_screen import StacksScreen  # noqa: E402
 from mirage_tui.app.timeline_pane import TimelineBox, TimelinePane  # noqa: E402
 from mirage_tui.topology import ExecMode, OnHang, Topology, UsageError, validate  # noqa: E402
-from orphans import session_processes  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = REPO_ROOT / "tests" / "fixtures" / "ml"
@@ -772,7 +774,7 @@ def test_output_filter_stderr_toggle_and_timestamps():
 
 
 def test_gpu_pane_shows_memory_reports_with_history():
-    from emulator import schema as s
+    from wire import schema as s
 
     if not hasattr(s, "MemoryUsage"):
         pytest.skip("this schema has no memory_usage event")
@@ -797,8 +799,8 @@ def test_gpu_pane_shows_memory_reports_with_history():
 
 
 def test_traffic_shows_every_collective_in_flight_and_throughput():
-    from emulator import schema as s
     from mirage_tui.traffic import Traffic
+    from wire import schema as s
 
     mib = 2**20
     traffic = Traffic()

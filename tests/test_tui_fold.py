@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from emulator import schema as s
 from mirage_tui import report
 from mirage_tui.runstate import Changed, Outcome, RunState
+from wire import schema as s
 
 HANG_RUN = Path(__file__).resolve().parent / "fixtures" / "runs" / "hang-2gpu"
 TRACEBACK = "[rank1]: Traceback (most recent call last):"

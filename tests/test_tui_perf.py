@@ -22,12 +22,12 @@ pytest.importorskip("textual")
 from textual import events  # noqa: E402
 from textual.widgets import Log  # noqa: E402
 
-from emulator import schema as s  # noqa: E402
 from mirage_tui import replay  # noqa: E402
 from mirage_tui.app.app import MirageApp  # noqa: E402
 from mirage_tui.app.output_pane import OutputPane  # noqa: E402
 from mirage_tui.app.ranks_pane import RankTree  # noqa: E402
 from mirage_tui.app.report import ReportScreen  # noqa: E402
+from wire import schema as s  # noqa: E402
 
 RANKS = 32
 LINES_PER_S = 20_000

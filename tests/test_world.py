@@ -7,11 +7,11 @@ import json
 import os
 
 import pytest
+from test_run import FIXTURES, events, mirage_run, run_dir
 
 from emulator.hang import HangDetector
 from emulator.ledger import Worlds
-from emulator.schema import HangKind, WorldFormation, WorldPhase
-from test_run import FIXTURES, events, mirage_run, run_dir
+from wire.schema import HangKind, WorldFormation, WorldPhase
 
 pytestmark = pytest.mark.usefixtures("no_orphans")
 HANG_TIMEOUT_S = 2.0
@@ -137,7 +137,8 @@ def test_a_formed_world_leaves_the_books_and_its_name_can_form_again():
 
 def test_the_daemon_reports_a_world_a_live_rank_waits_to_form_and_refuses_bad_ones():
     from daemon_client import DaemonProcess, Events
-    from emulator import schema as s
+
+    from wire import schema as s
 
     d = DaemonProcess(hang_timeout_s=0.3)
     try:

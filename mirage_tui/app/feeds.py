@@ -15,16 +15,15 @@ import time
 from collections import deque
 
 import psutil
-
 from textual.message_pump import MessagePump
 
-from emulator import schema as s
-from mirage_tui.app.messages import EventsReady, ReplayProgress, RunFinished
 from mirage_tui import sessions
+from mirage_tui.app.messages import EventsReady, ReplayProgress, RunFinished
 from mirage_tui.replay import Player, Recording
 from mirage_tui.runstate import Outcome
 from mirage_tui.session import LaunchError, Session
 from mirage_tui.topology import Topology
+from wire import schema as s
 
 #: Exit code of a run the user stopped from the console (as a Ctrl-C in batch mode).
 STOPPED_EXIT = 130

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from textual.widgets import DataTable
 
-from emulator.kernels import KernelError, itemsize
 from mirage_tui.glyphs import human_bytes
 from mirage_tui.runstate import RunState
+from wire.kernels import KernelError, itemsize
 
 _COLUMNS = (("comm", "comm"), ("rank", "rank"), ("enq", "enqueued"), ("start", "started"),
             ("done", "completed"), ("op", "op"), ("size", "size"), ("dtype", "dtype"), ("age", "age"))

@@ -9,7 +9,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal
 from textual.widgets import Log
 
-from emulator import schema as s
+from wire import schema as s
 
 #: Lines kept per rank (and per node process); older ones are only in the run directory's logs.
 MAX_LINES = 10_000

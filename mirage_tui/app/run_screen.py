@@ -23,7 +23,6 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Input, Log, Static, Tree
 
-from emulator import schema as s
 from mirage_tui import diagnosis, flight_recorder, hang_stacks
 from mirage_tui.app.confirm import ConfirmScreen
 from mirage_tui.app.feeds import AttachFeed, Feed, LiveFeed, ReplayFeed
@@ -38,6 +37,7 @@ from mirage_tui.app.themes import RANK_STATE_VARIABLES
 from mirage_tui.app.timeline_pane import TimelineBox, TimelinePane
 from mirage_tui.hang_stacks import RankStacks
 from mirage_tui.runstate import Changed, Outcome, RunState
+from wire import schema as s
 
 
 class RunScreen(Screen):

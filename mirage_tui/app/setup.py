@@ -21,7 +21,6 @@ from textual.screen import Screen
 from textual.suggester import Suggester
 from textual.widgets import Button, Footer, Header, Input, Label, Select, Static, Switch, TextArea
 
-from emulator.profiles import ProfileError, load_profile, profile_names
 from mirage_tui import launch_forms, topology_file
 from mirage_tui.completion import complete_path
 from mirage_tui.topology import (
@@ -34,6 +33,7 @@ from mirage_tui.topology import (
     parse_size,
     validate,
 )
+from wire.profiles import ProfileError, load_profile, profile_names
 
 _LAUNCH_FORMS = [("torchrun on every node", launch_forms.TORCHRUN),
                  ("direct: one process per node", launch_forms.DIRECT)]

@@ -20,13 +20,13 @@ from its seed.
 
 from __future__ import annotations
 
-from enum import Enum
 import json
 import random
 import typing
+from enum import Enum
 
-from emulator import schema as s
-from emulator.kernels import DTYPES
+from wire import schema as s
+from wire.kernels import DTYPES
 
 #: every request kind the schema knows (new ones are fuzzed too, with generic values)
 REQUESTS = [cls for cls in s.MESSAGE_TYPES.values() if issubclass(cls, s.Request)]

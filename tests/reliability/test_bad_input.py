@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from emulator.profiles import PROFILE_DIR
+from wire.profiles import PROFILE_DIR
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MI350X = (PROFILE_DIR / "mi350x.toml").read_text()

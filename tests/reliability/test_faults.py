@@ -23,10 +23,10 @@ from pathlib import Path
 
 import psutil
 import pytest
-
-from emulator import schema as s
-from mirage_tui.runstate import read_journal
 from test_run import REPO_ROOT, mirage_run, run_dir
+
+from mirage_tui.runstate import read_journal
+from wire import schema as s
 
 WORKLOADS = Path(__file__).resolve().parent / "workloads"
 #: "Promptly": generous, for a loaded CI machine; the figures in docs/reliability.md are far below.
@@ -377,7 +377,7 @@ def test_orphaned_daemon_stops_only_processes_of_its_session(tmp_path):
 
     import zmq
 
-    from emulator.daemon import endpoints
+    from wire.endpoints import endpoints
 
     session, token = secrets.token_hex(4), secrets.token_hex(16)
     run = tempfile.mkdtemp(prefix="mrd-", dir="/tmp")  # short: an ipc:// path must fit a unix socket address

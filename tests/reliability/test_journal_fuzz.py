@@ -8,7 +8,6 @@ never raise.
 
 from __future__ import annotations
 
-from enum import Enum
 import dataclasses
 import json
 import os
@@ -19,13 +18,14 @@ import sys
 import threading
 import time
 import typing
+from enum import Enum
 from pathlib import Path
 
 import pytest
 
-from emulator import schema as s
 from mirage_tui import flight_recorder
 from mirage_tui.runstate import RunState, read_journal
+from wire import schema as s
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EVENT_TYPES = [cls for cls in s.MESSAGE_TYPES.values() if issubclass(cls, s.Event)]
@@ -147,15 +147,15 @@ PICKLE_WRITERS = {"mirage_tui/flight_recorder.py"}
 #: ``dataclasses`` does, from the classes' own field names (checked against an identifier pattern),
 #: never from a message's bytes. Exactly these lines may call ``exec``; any other is reported.
 CODEGEN = {
-    ("emulator/codec.py", "exec(src, namespace)"): 2,
-    ("emulator/codec.py",
+    ("wire/codec.py", "exec(src, namespace)"): 2,
+    ("wire/codec.py",
      """exec(f"def __init__(self, {', '.join(params)}):\\n    self.__dict__.update({{{', '.join(items)}}})\\n", namespace)"""): 1,
 }
 
 
 def _sources() -> list[Path]:
     out = []
-    for top in ("emulator", "shim", "mirage_tui", "bench"):
+    for top in ("wire", "emulator", "shim", "mirage_tui", "bench"):
         out += sorted((REPO_ROOT / top).rglob("*.py"))
     return out
 

@@ -15,11 +15,12 @@ import numpy as np
 import psutil
 import pytest
 import zmq
-
 from daemon_client import DaemonProcess, Events
-from emulator import schema as s
-from emulator.arena import Arena, arena_name, session_segments
 from protocol_fuzz import Fuzzer
+
+from wire import schema as s
+from wire.arena import Arena, arena_name, session_segments
+from wire.endpoints import FAST_SOCKET
 
 N_MESSAGES = int(os.environ.get("MIRAGE_FUZZ_MESSAGES", "10000"))
 SEEDS = [int(x) for x in os.environ.get("MIRAGE_FUZZ_SEEDS", "8").split(",")]
@@ -187,7 +188,7 @@ def test_fuzzed_messages_and_churn_on_the_fast_socket():
     try:
         daemon = psutil.Process(d.proc.pid)
         fds = daemon.num_fds()
-        path = os.path.join(d.run_dir, s.FAST_SOCKET)
+        path = os.path.join(d.run_dir, FAST_SOCKET)
         arenas = [d.track(Arena.create(arena_name(d.session, f"ff-r{i}-g1"), 4096)).name for i in range(4)]
         f = Fuzzer(11, d.token, d.session, arenas, big=False)
         refuser = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)

@@ -10,8 +10,8 @@ import os
 import numpy as np
 import zmq
 
-from emulator import schema as s
-from emulator.arena import Arena, arena_name
+from wire import schema as s
+from wire.arena import Arena, arena_name
 
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 session, token = os.environ["MIRAGE_SESSION"], os.environ["MIRAGE_TOKEN"]

@@ -1,6 +1,6 @@
 """GPU profiles: the figures of each emulated AMD Instinct model.
 
-A profile is data, not code: one TOML file per model in ``emulator/profiles/``,
+A profile is data, not code: one TOML file per model in ``wire/profiles/``,
 so adding a model never touches Python. Users add their own beside the built-ins
 in ``$XDG_CONFIG_HOME/mirage/profiles/`` (default ``~/.config/mirage/profiles``). Everything that reports a device
 property (the shim's ``torch.cuda.get_device_properties``, the cost model, the
@@ -23,7 +23,7 @@ from pathlib import Path
 #: The profile a run uses when none is named.
 DEFAULT_PROFILE = "mi350x"
 
-#: Where the bundled profile files live: emulator/profiles/, beside this module.
+#: Where the bundled profile files live: wire/profiles/, beside this module.
 PROFILE_DIR = Path(__file__).with_suffix("")
 
 

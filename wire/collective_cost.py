@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 from enum import Enum
 
-from emulator.profiles import Profile
+from wire.profiles import Profile
 
 
 class Collective(Enum):

@@ -4,8 +4,8 @@ Requests (rank -> daemon) and replies (daemon -> rank) travel over the
 daemon's ROUTER socket and its fast socket; events (daemon/session -> anyone)
 over its PUB socket and into ``events.jsonl``. Each message kind is a frozen
 dataclass here, so no stringly dict crosses a module boundary. How they become
-bytes and back is :mod:`emulator.codec`; import both through
-:mod:`emulator.schema`.
+bytes and back is :mod:`wire.codec`; import both through
+:mod:`wire.schema`.
 
 Past 600 lines on purpose: this is the one catalogue of the wire format, a list
 of small dataclasses with no logic between them, read by looking a message up;
@@ -22,7 +22,7 @@ from typing import ClassVar
 
 __all__ = [
     "MESSAGE_TYPES",
-    "VERSION", "MAX_MESSAGE_BYTES", "MAX_DATA_FRAME_BYTES", "FAST_SOCKET", "FAST_MAX_MESSAGE_BYTES",
+    "VERSION", "MAX_MESSAGE_BYTES", "MAX_DATA_FRAME_BYTES", "FAST_MAX_MESSAGE_BYTES",
     "STACK_SIGNAL", "SchemaError", "ReduceOp", "CollOp", "Transport", "DIRECT_OPS", "Stream", "Message",
     "Request", "Ping", "Hello", "CommInit", "WorldPhase", "WorldFormation", "MemoryReport", "Collective",
     "StepReport", "ClockedStep",
@@ -40,11 +40,6 @@ MAX_MESSAGE_BYTES = 1 << 20
 #: size after the request's JSON frame, every frame but the last full; the daemon's transport
 #: drops connections that send bigger frames.
 MAX_DATA_FRAME_BYTES = 16 * MAX_MESSAGE_BYTES
-#: The daemon's second request socket (next to its ZeroMQ ``rpc.sock``): a unix SOCK_SEQPACKET
-#: socket, one message per request or reply, for requests without data frames. ZeroMQ moves
-#: each message through an I/O thread at either end (about 56 us a round trip here, against
-#: 5 us for a bare unix socket), which dominated a small collective's latency.
-FAST_SOCKET = "fast.sock"
 #: Largest message on the fast socket, either way; anything bigger goes through ZeroMQ.
 FAST_MAX_MESSAGE_BYTES = 64 << 10
 #: Sent to a rank process to make it append its Python stacks to ``ranks/rank-<r>.stacks``.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from emulator.schema import ReduceOp
+from wire.schema import ReduceOp
 
 #: dtype name (as torch spells it) -> numpy storage dtype
 DTYPES: dict[str, np.dtype] = {

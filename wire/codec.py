@@ -1,4 +1,4 @@
-"""The wire codec: messages of :mod:`emulator.messages` to JSON bytes and back.
+"""The wire codec: messages of :mod:`wire.messages` to JSON bytes and back.
 
 Every message is one JSON object with a version ``v`` and a ``type``.
 ``decode`` turns bytes into one of the catalogue's types or raises
@@ -21,7 +21,7 @@ import typing
 from collections.abc import Iterator
 from enum import Enum
 
-from emulator.messages import MESSAGE_TYPES, MAX_MESSAGE_BYTES, VERSION, Event, Message, SchemaError
+from wire.messages import MAX_MESSAGE_BYTES, MESSAGE_TYPES, VERSION, Event, Message, SchemaError
 
 #: Built once: ``json.dumps``/``json.loads`` with options build a new encoder/decoder per call,
 #: which was a fifth of the daemon's time per collective (it encodes and decodes several messages each).
