@@ -29,7 +29,7 @@ def timed(fns: dict, iters: int) -> dict[str, list[float]]:
     """Per-call seconds of each of ``fns``' blocks of ``iters`` calls, the backends taking turns, ``ROUNDS`` each."""
     for fn in fns.values():
         # warm-up: for nccl the arena's growth, and a reused tensor's move into shared memory on its second
-        # collective (shim/shared_buffers.py, once per buffer, as NCCL registers a user buffer)
+        # collective (shim/transport/shared_buffers.py, once per buffer, as NCCL registers a user buffer)
         fn()
         fn()
     blocks: dict[str, list[float]] = {name: [] for name in fns}

@@ -1,4 +1,4 @@
-"""Clocked mode's compute model (shim/roofline.py) against AMD's published GEMM throughput.
+"""Clocked mode's compute model (shim/clock/roofline.py) against AMD's published GEMM throughput.
 
     python bench/clocked_compute.py
 
@@ -20,7 +20,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from shim.roofline import KERNEL_LAUNCH_S, OpCost, op_cost, peak_and_efficiency  # noqa: E402
+from shim.clock.roofline import KERNEL_LAUNCH_S, OpCost, op_cost, peak_and_efficiency  # noqa: E402
 from wire.profiles import load_profile  # noqa: E402
 
 MAX_ERROR = 0.15

@@ -8,7 +8,7 @@ MLP and a pre-norm attention block (SDPA) — four ways:
 - ``emulated eager``: ``cuda`` tensors inside ``mirage run --in-process``;
 - ``emulated compiled``: the same with ``torch.compile(model)`` (inductor
   compiles graphs over the host tensors behind the emulated GPUs,
-  shim/torch_compile.py, docs/device.md);
+  shim/compile/torch_compile.py, docs/device.md);
 - ``native eager`` and ``native compiled``: CPU tensors in a plain Python
   process (no shim), the latter with inductor's CPU code generation.
 

@@ -40,7 +40,7 @@ def timed(fn, iters: int, group) -> float:
 
 def main() -> None:
     if os.environ.get("HOST_PATHS_VIA_HEAD") == "1":
-        from shim import client
+        from shim.rank import client
 
         client._host_client = None
         os.environ.pop("MIRAGE_HOST_ENDPOINT", None)

@@ -22,7 +22,7 @@ in-place variant and the ``out=`` variant. Each comparison is one of:
   sides raise, the exception types must match).
 
 With ``--autocast fp16|bf16`` every call runs under ``torch.autocast`` in
-that dtype: on cuda the shim's autocast (shim/autocast.py), and on the CPU a
+that dtype: on cuda the shim's autocast (shim/device/autocast.py), and on the CPU a
 reference that applies CUDA's policy by hand — the worker replaces CPU
 autocast's kernels with its own (:func:`use_cuda_policy_on_cpu`: CUDA's op
 lists, casts written here independently of the shim, every other op left
@@ -580,7 +580,7 @@ def use_cuda_policy_on_cpu() -> None:
     """Make ``torch.autocast("cpu")`` apply CUDA's autocast policy: the reference for ``--autocast``.
 
     CPU autocast has lists of its own; each op it casts is made to fall through,
-    then CUDA's ops (the lists in shim/autocast.py, which tests/test_fidelity.py
+    then CUDA's ops (the lists in shim/device/autocast.py, which tests/test_fidelity.py
     checks against the AutocastCUDA kernels torch registers) get kernels written
     here from ATen's policies (autocast_mode.h): arguments bound by name to the
     schema, eligible (floating, not float64) tensors cast.
@@ -589,7 +589,7 @@ def use_cuda_policy_on_cpu() -> None:
 
     import torch
 
-    from shim import autocast as cuda_policy
+    from shim.device import autocast as cuda_policy
 
     key = torch._C.DispatchKey.AutocastCPU
     exclude = torch._C.DispatchKeySet(key)

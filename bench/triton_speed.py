@@ -9,7 +9,7 @@ per row) and a matmul (256 x 256 x 256 fp32, 64 x 64 x 32 tiles) — and, where
 backward), four ways:
 
 - ``triton emulated``: the kernel on ``cuda`` tensors inside
-  ``mirage run --in-process`` (shim/triton_runtime.py: Triton's interpreter
+  ``mirage run --in-process`` (shim/compile/triton_runtime.py: Triton's interpreter
   over the emulated tensors' host memory);
 - ``triton native``: the kernel on CPU tensors in a plain process with
   ``TRITON_INTERPRET=1`` (Triton's interpreter as it ships, copying each

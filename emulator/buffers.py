@@ -3,7 +3,7 @@
 A rank whose large tensor takes part in collectives again and again (DDP's
 gradient buckets) moves its storage into shared memory and passes the file
 descriptor over the fast socket (``RegisterBuffer`` with SCM_RIGHTS, see
-``shim/shared_buffers.py``). The daemon maps it here, keyed by (connection,
+``shim/transport/shared_buffers.py``). The daemon maps it here, keyed by (connection,
 buffer id), and closes the descriptor at once: nothing is named in /dev/shm,
 nothing another process could open. A collective that names the buffer
 (``Collective.in_buf``/``out_buf``) is then reduced straight in the rank's

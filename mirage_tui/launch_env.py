@@ -75,7 +75,7 @@ def node_env(where: RankEnvironment, node: int, master_port: int) -> dict[str, s
         env["MIRAGE_HBM_BYTES"] = str(topo.hbm_bytes)
     if topo.faults:
         env[faults.ENV] = ";".join(f.spec() for f in topo.faults)
-    if topo.debug_rank is not None:  # that rank waits for a debugger before its program runs (shim.debugger)
+    if topo.debug_rank is not None:  # that rank waits for a debugger before its program runs (shim.rank.debugger)
         env["MIRAGE_DEBUG_RANK"] = str(topo.debug_rank)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (BOOT_DIR, env.get("PYTHONPATH")) if p)
     return env

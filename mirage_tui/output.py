@@ -1,7 +1,7 @@
 """Turn rank and node output into lines: tail the rank files, read the node pipes.
 
 Ranks write their stdout/stderr straight into ``ranks/rank-<r>.<stream>``
-(see ``shim/output.py``); :class:`RankTail` follows those files and hands out
+(see ``shim/rank/output.py``); :class:`RankTail` follows those files and hands out
 complete lines. Node processes (torchrun's agent, or a direct rank before its
 shim took over) write to pipes that :func:`pump_pipe` reads.
 """

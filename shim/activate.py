@@ -47,19 +47,27 @@ def activate() -> None:
     _done = True
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
-    from shim import engine, pinned
-    from shim.device import BACKEND
+    from shim.cuda import engine
+    from shim.device.state import BACKEND
+    from shim.memory import pinned
 
     pinned.install()  # its C++ hooks first: torch keeps the first PrivateUse1 hooks registered
     engine.install()  # and the C++ device guard (the first registered is kept too)
     _setup_privateuseone_for_python_backend(rename=BACKEND, backend_module=_Backend())
-    from shim import clock
-    from shim.device import STATE
+    from shim.clock import clock
+    from shim.device.state import STATE
 
     # before anything that registers an exit hook: the rank's trace is written after the collectives
     # still in flight have completed (exit hooks run last registered first)
     clock.install(STATE.profile)
-    from shim import attention, autocast, cuda, deferred, fast_dispatch, local_comm, mode, tensor, torch_compile
+    from shim.comm import local as local_comm
+    from shim.compile import torch_compile
+    from shim.cuda import api as cuda
+    from shim.cuda import mode
+    from shim.device import autocast, deferred
+    from shim.ops import attention
+    from shim.tensor import fast_dispatch
+    from shim.tensor import wrapper as tensor
 
     tensor.register_factories()
     tensor.register_foreach()
@@ -71,9 +79,11 @@ def activate() -> None:
     cuda.install()
     local_comm.install()  # torch.cuda.comm / torch.cuda.nccl among this process's GPUs (nn.DataParallel)
     mode.install()
-    from shim import c10d_patches, params, serialization, sharding, syncbn, world
+    from shim.comm import c10d_patches, sharding, world
+    from shim.ops import syncbn
+    from shim.tensor import params, serialization
 
-    c10d_patches.install()  # the "nccl" backend (shim/process_group.py)
+    c10d_patches.install()  # the "nccl" backend (shim/comm/process_group.py)
     serialization.install()  # torch.load(map_location="cuda:i")
     syncbn.install()  # the CUDA-only kernels of nn.SyncBatchNorm
     sharding.install()  # FSDP2's storage freeing, DTensor.device
@@ -84,7 +94,7 @@ def activate() -> None:
 
 def _register_rank() -> None:
     """Tell the daemon which pid is which rank, so the console can name it (the rank claimed at start-up)."""
-    from shim import registration
+    from shim.comm import registration
 
     if registration.RANK is not None:
         registration.register_rank(registration.RANK)

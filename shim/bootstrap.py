@@ -5,14 +5,14 @@ Run from ``sitecustomize`` before any user code. A process is one of:
   or ``auto``); its lines reach the session as ``[node<n>]``;
 - a rank (the first non-agent Python process of a node, or a torchrun worker):
   its output goes to the rank files, and torch is emulated once imported (the
-  rank ``--debug-rank`` names waits for a debugger first: ``shim.debugger``);
+  rank ``--debug-rank`` names waits for a debugger first: ``shim.rank.debugger``);
 - a rank another launcher started inside a rank's process (``accelerate
   launch``'s torchrun workers: ``RANK``; Lightning's children on one node:
   ``LOCAL_RANK``; either not the rank their parent claimed): a rank from the
   start, as a torchrun worker;
 - another descendant of a rank (DataLoader workers, ``mp.spawn`` children): torch is
   emulated, output stays with the rank that started it until it forms a world
-  of its own (``shim.world`` then claims the rank ``init_process_group`` gives it).
+  of its own (``shim.comm.world`` then claims the rank ``init_process_group`` gives it).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from __future__ import annotations
 import os
 import sys
 
-from shim import registration, triton_runtime
+from shim.comm import registration
+from shim.compile import triton_runtime
 from shim.import_hooks import after_import
 
 _AGENT_MODULES = ("torch.distributed.run", "torch.distributed.launch")
@@ -43,7 +44,7 @@ def _count_gpus_in_agent() -> None:
     """torchrun's agent answers ``torch.cuda``/``torch.accelerator``'s counts with the node's emulated GPUs."""
     import torch
 
-    from shim.device import STATE
+    from shim.device.state import STATE
 
     count = STATE.count
     torch.cuda.is_available = lambda: count > 0
@@ -85,14 +86,14 @@ def boot() -> None:
     child = _launched_rank() if "MIRAGE_RANK_PID" in os.environ else None
     if "MIRAGE_RANK_PID" not in os.environ or child is not None:
         os.environ["MIRAGE_RANK_PID"] = str(os.getpid())
-        from shim.output import arm_stack_dumps, capture
+        from shim.rank.output import arm_stack_dumps, capture
 
         rank = registration.RANK = int(os.environ.get("RANK", "0")) if child is None else child
         os.environ[registration.CLAIMED] = str(rank)
         capture(os.environ["MIRAGE_RUN_DIR"], rank)
         arm_stack_dumps(os.environ["MIRAGE_RUN_DIR"], rank)
         if os.environ.get("MIRAGE_DEBUG_RANK") == str(rank):  # --debug-rank: stop before the program runs
-            from shim.debugger import wait_for_debugger
+            from shim.rank.debugger import wait_for_debugger
 
             wait_for_debugger(rank)
     _after_torch(_activate)

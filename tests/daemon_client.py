@@ -82,7 +82,7 @@ class Client:
 
 
 class FastClient:
-    """A rank's connection to the daemon's fast socket (unix SOCK_SEQPACKET), as ``shim/client.py`` uses it.
+    """A rank's connection to the daemon's fast socket (unix SOCK_SEQPACKET), as ``shim/rank/client.py`` uses it.
 
     The interface of ``daemon_client.Client``, so a group's rank can use either.
     """

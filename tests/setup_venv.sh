@@ -47,10 +47,10 @@ _mirage_setup_venv() {
                 return 1
             printf '%s\n' "$want" >"$stamp" || return 1
         fi
-        # the shim's C++ (shim/pinned_build.py: the pinned host allocator and the device guard, ~2 s
+        # the shim's C++ (shim/native/build.py: the pinned host allocator and the device guard, ~2 s
         # each, the fast dispatch kernels, ~15 s), built now so that no rank waits for it; a no-op
         # once built. Without a C++ compiler the shim does without them.
-        (cd "$root" && "$venv/bin/python" -m shim.pinned_build >/dev/null) ||
+        (cd "$root" && "$venv/bin/python" -m shim.native.build >/dev/null) ||
             echo "setup_venv: continuing without it (see docs/compatibility.md)" >&2
     fi
 

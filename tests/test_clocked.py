@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from shim.clock import _uncovered, _union
 from test_run import FIXTURES, events, mirage_run, run_dir
+
+from shim.clock.clock import _uncovered, _union
 
 
 def test_exposed_communication_is_what_compute_does_not_cover():

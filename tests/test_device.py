@@ -104,7 +104,7 @@ def test_ranks_report_gpu_memory_to_the_daemon(tmp_path):
 
 _BACKWARD_HERE = """
 import threading, torch
-from shim import engine
+from shim.cuda import engine
 print("guard:", engine.GUARD_ERROR)
 w = torch.ones(4, 4, device="cuda", requires_grad=True)
 threads = []
@@ -121,7 +121,7 @@ with torch.cuda.device(1):
 
 @pytest.mark.parametrize("compiler", ["c++", "none"])
 def test_backward_runs_on_the_calling_thread_with_either_device_guard(tmp_path, compiler):
-    """shim/engine.py: the graph runs where backward() was called; the C++ device guard, or torch's
+    """shim/cuda/engine.py: the graph runs where backward() was called; the C++ device guard, or torch's
     Python one where it cannot be built, answer the same."""
     env = [] if compiler == "c++" else ["--env", f"MIRAGE_CACHE_DIR={tmp_path / 'cache'}",
                                         "--env", "CXX=/nonexistent/c++"]
@@ -140,7 +140,7 @@ def test_backward_runs_on_the_calling_thread_with_either_device_guard(tmp_path, 
 def test_allocator_counts_storages_once_and_caches_segments():
     import torch
 
-    from shim.memory import SEGMENT, Allocator
+    from shim.memory.allocator import SEGMENT, Allocator
 
     alloc = Allocator(capacity=64 << 20, count=2)
     t = torch.empty(1000, dtype=torch.float32)  # 4000 B -> 4096 B in 512 B blocks
@@ -166,7 +166,7 @@ def test_allocator_counts_storages_once_and_caches_segments():
 def test_allocator_refuses_what_does_not_fit_with_torchs_message():
     import torch
 
-    from shim.memory import Allocator, format_size
+    from shim.memory.allocator import Allocator, format_size
 
     alloc = Allocator(capacity=10 << 20, count=1)
     keep = torch.empty(6 << 20, dtype=torch.uint8)

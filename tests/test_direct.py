@@ -1,4 +1,4 @@
-"""Small collectives rank to rank (``shim/direct.py``): the rings, the daemon's books, deferred requests,
+"""Small collectives rank to rank (``shim/transport/direct.py``): the rings, the daemon's books, deferred requests,
 and real torch ranks through ``mirage run``."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from daemon_client import TIMEOUT_S, Events, FastClient, fast_group, stamped
 
-from shim import direct
+from shim.transport import direct
 from wire import schema as s
 from wire.arena import session_segments
 
@@ -140,7 +140,7 @@ def test_which_collectives_go_rank_to_rank():
 
 def test_a_bad_threshold_is_a_usage_error():
     env = dict(os.environ, MIRAGE_DIRECT_MAX_BYTES="64k")
-    r = subprocess.run([sys.executable, "-c", "import shim.direct"], env=env, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", "import shim.transport.direct"], env=env, capture_output=True, text=True,
                        cwd=os.path.dirname(os.path.dirname(__file__)), timeout=60)
     assert r.returncode == 2
     assert r.stderr.strip() == "mirage: MIRAGE_DIRECT_MAX_BYTES='64k' is not a byte count; use e.g. 65536, or 0 for off"
@@ -212,7 +212,7 @@ def test_one_datagram_may_carry_several_requests(daemon):
 
 @pytest.fixture
 def client(daemon):
-    from shim.client import DaemonClient
+    from shim.rank.client import DaemonClient
 
     c = DaemonClient("ipc://" + daemon.rpc_endpoint.removeprefix("ipc://"), daemon.token, daemon.session, "t")
     assert c.has_fast

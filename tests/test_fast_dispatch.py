@@ -1,4 +1,4 @@
-"""Ops on emulated cuda tensors in C++ (shim/fast_dispatch.cpp, shim/fast_dispatch.py) and in Python.
+"""Ops on emulated cuda tensors in C++ (shim/native/fast_dispatch.cpp, shim/tensor/fast_dispatch.py) and in Python.
 
 One program describes views and other ops' results (values, geometry, the
 wrapper's attributes, autograd's view metadata, gradients, the memory books,
@@ -18,7 +18,9 @@ pytestmark = pytest.mark.usefixtures("no_orphans")
 _PROGRAM = r"""
 import json, threading, torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from shim import device as dev, fast_dispatch, tensor as T
+from shim.device import state as dev
+from shim.tensor import fast_dispatch
+from shim.tensor import wrapper as T
 
 print("fast dispatch:", fast_dispatch.FAST_DISPATCH_ERROR)
 calls = []
@@ -58,7 +60,7 @@ for name, make in cases.items():
     show(name, make(), x)
 print("calls:", len(calls))
 
-def show_new(name, t):  # a wrapper of its own (another op's output): shim/tensor.py's _new
+def show_new(name, t):  # a wrapper of its own (another op's output): shim/tensor/wrapper.py's _new
     grad_fn = type(t.grad_fn).__name__ if t.grad_fn else None
     print(name, json.dumps(dict(type=type(t).__name__, shape=list(t.shape), stride=list(t.stride()),
                                 offset=t.storage_offset(), dtype=str(t.dtype), device=str(t.device), gpu=t._gpu,
@@ -206,7 +208,7 @@ def test_ops_in_cpp_describe_the_same_as_through_torch_dispatch(tmp_path):
 def test_an_op_past_the_gpus_memory_raises_torchs_error_from_the_cpp_path(tmp_path):
     """The allocator refuses an output in C++ as in Python (the op then runs in Python, which raises it)."""
     program = ("import torch\n"
-               "from shim import fast_dispatch\n"
+               "from shim.tensor import fast_dispatch\n"
                "assert fast_dispatch.FAST_DISPATCH_ERROR is None\n"
                "x = torch.zeros(40 << 20, dtype=torch.uint8, device='cuda')\n"
                "y = x + 1\n")

@@ -130,10 +130,10 @@ def test_autocast_representative_ops_match_cudas_policy_on_the_cpu(tmp_path, mod
 
 
 def test_autocast_op_lists_are_cudas():
-    """shim/autocast.py's lists name exactly the ops torch registers AutocastCUDA kernels for."""
+    """shim/device/autocast.py's lists name exactly the ops torch registers AutocastCUDA kernels for."""
     import torch
 
-    from shim import autocast
+    from shim.device import autocast
 
     listed = {*autocast.LOWER_PRECISION_FP, *autocast.FP32, *autocast.FP32_SET_OPT_DTYPE, *autocast.PROMOTE,
               *autocast.BANNED, *(name for name, _, _ in autocast.APPEND_DTYPE)}

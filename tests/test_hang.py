@@ -9,7 +9,6 @@ import sys
 import time
 
 import pytest
-
 from test_run import FIXTURES, REPO_ROOT, events, mirage_run, run_dir
 
 pytestmark = pytest.mark.usefixtures("no_orphans")
@@ -201,7 +200,7 @@ def test_send_without_a_receive_is_a_hang(tmp_path):
 
 _LATE_SIGNAL = """
 import faulthandler, os, signal, sys, time
-from shim.output import arm_stack_dumps
+from shim.rank.output import arm_stack_dumps
 os.makedirs(os.path.join(sys.argv[1], "ranks"))
 arm_stack_dumps(sys.argv[1], 0)
 os.kill(os.getpid(), signal.SIGUSR1)  # armed: the stacks are written

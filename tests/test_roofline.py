@@ -1,4 +1,4 @@
-"""The compute cost model of clocked mode (shim/roofline.py), on meta tensors: no mirage processes."""
+"""The compute cost model of clocked mode (shim/clock/roofline.py), on meta tensors: no mirage processes."""
 
 import importlib.util
 import sys
@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from shim import roofline
-from shim.roofline import op_cost
+from shim.clock import roofline
+from shim.clock.roofline import op_cost
 from wire.profiles import load_profile
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

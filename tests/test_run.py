@@ -256,7 +256,7 @@ def test_cuda_visible_devices_narrows_each_rank_to_its_gpu(tmp_path):
 
 
 def test_visible_devices_parsing():
-    from shim.device import visible_devices
+    from shim.device.state import visible_devices
 
     assert visible_devices(4, {}) == [0, 1, 2, 3]
     assert visible_devices(4, {"CUDA_VISIBLE_DEVICES": "2,0"}) == [2, 0]

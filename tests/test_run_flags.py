@@ -19,12 +19,12 @@ import threading
 import time
 
 import pytest
+from test_cli_usage import mirage
+from test_run import FIXTURES, REPO_ROOT, events, interrupt_when_sleeping, mirage_run, run_dir
 
 from mirage_tui.cli import tui_main
 from mirage_tui.launch_env import RankEnvironment, node_env
 from mirage_tui.topology import CLEARED_ENV_KEEPS, Topology
-from test_cli_usage import mirage
-from test_run import FIXTURES, REPO_ROOT, events, interrupt_when_sleeping, mirage_run, run_dir
 
 pytestmark = pytest.mark.usefixtures("no_orphans")
 RANK_ENV = str(FIXTURES / "rank_env.py")
@@ -141,7 +141,7 @@ def test_clear_env_vars_starts_from_an_almost_empty_environment(tmp_path, monkey
     names = set(_lines(r.stdout, "names")[0].split())
     assert "MY_SETTING" in names and "PATH" in names
     mirage_set = {"MASTER_ADDR", "MASTER_PORT", "NCCL_HOSTID", "PYTHONUNBUFFERED", "PYTHONPATH", "MY_SETTING",
-                  "TRITON_INTERPRET"}  # the last set by the shim as the rank starts (shim/triton_runtime.py)
+                  "TRITON_INTERPRET"}  # the last set by the shim as the rank starts (shim/compile/triton_runtime.py)
     extra = {n for n in names - mirage_set - set(CLEARED_ENV_KEEPS) if not n.startswith(("MIRAGE_", "LC_"))}
     assert not extra, extra
 

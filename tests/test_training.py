@@ -16,7 +16,6 @@ import subprocess
 import sys
 
 import pytest
-
 from test_run import FIXTURES, REPO_ROOT, SOCKET_ENV, mirage_run
 
 # every test here starts rank processes and trains (the registered meaning of "slow")
@@ -174,7 +173,7 @@ def test_ddp_at_eight_gpus(tmp_path, nodes, gpus):
 
 def test_ddp_reports_its_times_as_on_a_gpu(tmp_path):
     """DDP's reducer times forward, backward and communication on emulated GPUs (a timer registered for
-    the backend's device type, ``shim/comms_native.cpp``), and prints no warning that it cannot."""
+    the backend's device type, ``shim/native/comms_native.cpp``), and prints no warning that it cannot."""
     r = mirage_run(tmp_path, "--gpus-per-node", "2", "--", "torchrun", "--standalone", "--nproc_per_node=2",
                    str(FIXTURES / "ddp_timers.py"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

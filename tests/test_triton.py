@@ -2,7 +2,7 @@
 
 ``import triton`` works as on a ROCm build; ``@triton.jit`` and ``@triton.autotune`` kernels launched on
 ``cuda`` tensors compute what torch computes on the CPU (Triton's interpreter over the emulated tensors'
-host memory, shim/triton_runtime.py); ``triton.runtime.driver.active`` answers as the profile's GPU; a
+host memory, shim/compile/triton_runtime.py); ``triton.runtime.driver.active`` answers as the profile's GPU; a
 construct the interpreter cannot run fails with one line naming the kernel and the construct. Real
 ``mirage run`` processes, no mocks; the programs are files, since Triton reads a kernel's source.
 """
@@ -115,7 +115,7 @@ import triton
 import triton.language as tl
 from triton.language import core
 from triton.language.extra.cuda import libdevice as nvidia_libdevice
-from shim.triton_runtime import UnsupportedTritonKernel
+from shim.compile.triton_runtime import UnsupportedTritonKernel
 
 
 @triton.jit
@@ -300,7 +300,7 @@ def test_a_construct_the_interpreter_cannot_run_fails_in_one_line(tmp_path):
     assert "not reached" not in lines
     errors = [line.removeprefix("[0] ") for line in r.stderr.splitlines() if line.startswith("[0] ")]
     assert errors[-1] == (
-        "shim.triton_runtime.UnsupportedTritonKernel: mirage: Triton kernel 'through_asm' (bad.py:14) uses "
+        "shim.compile.triton_runtime.UnsupportedTritonKernel: mirage: Triton kernel 'through_asm' (bad.py:14) uses "
         "tl.inline_asm_elementwise (inline assembly), which the emulated GPU cannot run: its Triton kernels run "
         "in Triton's interpreter on the host"), r.stderr[-3000:]
     assert "InterpreterError" not in r.stderr  # one error, not the interpreter's chain

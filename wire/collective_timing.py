@@ -2,7 +2,7 @@
 
 The daemon times the collectives it runs with :func:`timing`
 (:mod:`emulator.collective_clock`); a rank that ran one rank to rank
-(``shim.direct``) times it with the same function, so both agree.
+(``shim.transport.direct``) times it with the same function, so both agree.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def nbytes(req: Collective, size: int) -> int:
 def timing(profile: Profile, req: Collective, ranks: int, per_node: int, start: float) -> Timing:
     """A collective like ``req`` among ``ranks`` ranks (at most ``per_node`` on one host) that starts at
     ``start``: when it ends, and RCCL's algorithm for it. The daemon times its collectives with this; a rank
-    that ran one rank to rank (``shim.direct``) times it with the same figures, so both agree."""
+    that ran one rank to rank (``shim.transport.direct``) times it with the same figures, so both agree."""
     estimate = cost.estimate(_PRICED_AS[req.op], nbytes(req, ranks), ranks, profile, per_node)
     algo = f"{estimate.algorithm.value}/{estimate.protocol.value}" if ranks > 1 else ""
     return Timing(start, start + estimate.seconds, algo)

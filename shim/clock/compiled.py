@@ -1,0 +1,112 @@
+"""Clocked mode prices what compiled code runs: the kernels inductor generated, not the eager ops they replace.
+
+A compiled graph runs on the host without a dispatch per op (shim/compile/torch_compile.py),
+so shim/clock/clock.py sees none of its ops. Inductor knows each kernel it generates
+(a fusion of pointwise and reduction ops, or an extern kernel such as a GEMM):
+as it schedules a graph, each kernel's FLOPs (``estimate_flops``: the GEMMs,
+convolutions and attention it holds) and the bytes it reads and writes
+(``get_read_write_buffers_sizes``: its inputs and outputs in memory, not what it
+keeps in registers) are kept with the compiled graph, and each call of the graph
+runs them one after another on the current stream, each timed by the roofline
+as one kernel (:func:`shim.clock.roofline.kernel_cost`). A fused kernel thus costs its
+memory traffic once, where the eager ops it replaces each read and wrote theirs.
+
+Inductor's caches are off in clocked mode: a graph found in the cache is not
+scheduled, and would run unpriced.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import torch
+
+from shim.clock import clock
+from shim.device import state as dev
+from shim.import_hooks import after_import
+
+_pending = threading.local()  # the kernels scheduled since the last compiled graph was made
+
+
+def _kernel(node) -> tuple | None:
+    """``(name, flops, bytes, dtype)`` of the kernel a scheduler node stands for; None for one that runs none."""
+    from torch._inductor.scheduler import NopKernelSchedulerNode
+
+    if isinstance(node, NopKernelSchedulerNode):
+        return None
+    ops = sorted({_op_name(origin) for n in node.get_nodes() if n.node is not None for origin in n.node.get_origins()})
+    name = ("extern_" if node.is_extern() else "fused_") + "_".join(ops)[:80]
+    try:
+        flops = node.estimate_flops() or None
+    except Exception:  # noqa: BLE001 - an estimate inductor cannot make: the kernel is timed by its bytes
+        flops = None
+    nbytes = int(node.get_read_write_buffers_sizes())
+    dtype = None
+    for n in node.get_nodes():
+        get_dtype = getattr(n.node, "get_dtype", None)
+        if get_dtype is not None:
+            dtype = get_dtype()
+            break
+    if flops is not None and dtype is None:
+        dtype = torch.float32  # a kernel whose buffers name no dtype: the math at the fp32 rate
+    return name, flops, nbytes, dtype
+
+
+def _op_name(origin) -> str:
+    """``add`` for the FX node of ``aten.add.Tensor`` (inductor names its kernels by the ops fused in them)."""
+    target = origin.target
+    return getattr(target, "_opname", None) or getattr(target, "__name__", None) or str(target)
+
+
+def _scheduling(init):
+    def scheduler_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        kernels = getattr(_pending, "kernels", None)
+        if kernels is None:
+            kernels = _pending.kernels = []
+        kernels.extend(k for k in map(_kernel, self.nodes) if k is not None)
+
+    return scheduler_init
+
+
+def _keeping(init):
+    def compiled_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.mirage_kernels = getattr(_pending, "kernels", None) or []
+        _pending.kernels = []
+
+    return compiled_init
+
+
+def _charging(call):
+    def compiled_call(self, inputs):
+        kernels = getattr(self, "mirage_kernels", None)
+        if kernels and clock.CLOCK is not None:
+            clock.CLOCK.fused(dev.STATE.current, kernels)
+        return call(self, inputs)
+
+    return compiled_call
+
+
+def _hook_scheduler() -> None:
+    scheduler = sys.modules["torch._inductor.scheduler"].Scheduler
+    scheduler.__init__ = _scheduling(scheduler.__init__)
+
+
+def _hook_output_code() -> None:
+    compiled = sys.modules["torch._inductor.output_code"].CompiledFxGraph
+    compiled.__init__ = _keeping(compiled.__init__)
+    compiled.__call__ = _charging(compiled.__call__)
+
+
+def install() -> None:
+    """In clocked mode, once dynamo is imported: price compiled graphs by their kernels (see above)."""
+    import torch._functorch.config
+    import torch._inductor.config
+
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
+    after_import("torch._inductor.scheduler", _hook_scheduler)
+    after_import("torch._inductor.output_code", _hook_output_code)
+

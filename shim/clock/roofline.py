@@ -1,0 +1,213 @@
+"""Roofline cost of one aten op on an emulated GPU: the compute side of clocked mode (issue #16).
+
+An op's modeled duration on the profile's GPU is
+
+    max(flops / (peak(dtype) · compute_efficiency(dtype)), bytes / (hbm · MEMORY_EFFICIENCY)) + KERNEL_LAUNCH_S
+
+with the FLOPs from torch's own formulas (``torch.utils.flop_counter.flop_registry``: matmuls,
+convolutions, attention) and the bytes from the sizes of the tensors the op reads and writes. An op
+torch has no formula for (elementwise ops, norms, reductions, copies) costs its bytes alone and is
+flagged ``has_formula=False``, so a report can count how much of a run's time is bytes-only. Views and
+allocations launch no kernel and cost nothing.
+
+Only tensor metadata is read (shape, stride, dtype): the function works on meta tensors and on the
+shim's emulated tensors alike and computes nothing heavy. Clocked mode calls it for every op
+(``shim/clock/clock.py``). docs/clocked.md ("Compute") has the figures and sources.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from wire.profiles import Profile
+
+# In a rank torch.version.hip is set (the shim reports ROCm), so importing flop_counter would log
+# "triton not found" on the user's stderr: quiet that logger for the import.
+_flop_log = logging.getLogger("torch.utils.flop_counter")
+_flop_level = _flop_log.level
+_flop_log.setLevel(logging.ERROR)
+try:
+    from torch.utils.flop_counter import flop_registry
+finally:
+    _flop_log.setLevel(_flop_level)
+
+# Fraction of the data-sheet peak that large GEMMs reach, per input dtype: the geometric mean, over
+# the MI300X and the MI325X, of achieved / peak in AMD's published Max-Achievable FLOPs (hipBLASLt,
+# M=4096 N=4864 K=32896; FP8 N=3648): MI300X 708 / 654 / 1273 TFLOPs (BF16 / FP16 / FP8), MI325X
+# 843 / 794 / 1519, against 1307.4 and 2614.9 peak. Source: ROCm blog "Measuring Max-Achievable
+# FLOPs – Part 2", 28 Feb 2025, rocm.blogs.amd.com/software-tools-optimization/
+# measuring-max-achievable-flops-part2/README.html. One factor per dtype for every GPU: the two
+# GPUs differ by their sustained clock under load (1207 vs 1447 MHz for BF16), which the model does
+# not know, so each lands within ±10 % of its published figure (bench/clocked_compute.py).
+BF16_GEMM_EFFICIENCY = 0.59
+FP16_GEMM_EFFICIENCY = 0.55
+FP8_GEMM_EFFICIENCY = 0.53
+# FP32 and FP64: AMD publishes no achieved GEMM figure for these GPUs that we found; BF16's factor
+# stands in (unvalidated).
+OTHER_COMPUTE_EFFICIENCY = BF16_GEMM_EFFICIENCY
+
+# Fraction of the data-sheet HBM bandwidth a streaming kernel reaches. An assumption, not fitted to an
+# AMD-published figure: public copy/stream measurements of the MI300X report roughly 80 % of 5.3 TB/s.
+MEMORY_EFFICIENCY = 0.80
+
+# Fixed cost per kernel (launch and ramp-up on the GPU's timeline); an assumption, a few microseconds
+# as ROCm kernels typically take back to back. It dominates only tiny ops.
+KERNEL_LAUNCH_S = 4e-6
+
+_aten = torch.ops.aten
+# Ops that allocate without writing: no kernel runs.
+_NO_KERNEL = {
+    _aten.empty,
+    _aten.empty_like,
+    _aten.empty_strided,
+    _aten.new_empty,
+    _aten.new_empty_strided,
+}
+# In-place ops that overwrite ``self`` without reading it: ``self`` counts as written only.
+_WRITE_ONLY_SELF = {_aten.copy_, _aten.fill_, _aten.zero_}
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """The modeled cost of one op on the emulated GPU.
+
+    ``bound`` says which term set the time: "compute" or "memory" for an op with a FLOP formula,
+    "bytes-only" for one without (its time is its bytes over the bandwidth), "free" for a view or an
+    allocation, which launches no kernel (``seconds`` 0).
+    """
+
+    seconds: float
+    flops: int
+    bytes: int
+    bound: str
+    has_formula: bool
+
+
+def peak_and_efficiency(profile: Profile, dtype: torch.dtype) -> tuple[float, float]:
+    """The data-sheet peak (FLOP/s) for math in ``dtype`` on ``profile``'s GPU, and the fraction of it reached."""
+    if dtype == torch.bfloat16:
+        return profile.fp16_tflops * 1e12, BF16_GEMM_EFFICIENCY
+    if dtype == torch.float16:
+        return profile.fp16_tflops * 1e12, FP16_GEMM_EFFICIENCY
+    if dtype.is_floating_point and dtype.itemsize == 1:  # the float8 family
+        return profile.fp8_tflops * 1e12, FP8_GEMM_EFFICIENCY
+    if dtype in (torch.float64, torch.complex128):
+        return profile.fp64_tflops * 1e12, OTHER_COMPUTE_EFFICIENCY
+    return profile.fp32_tflops * 1e12, OTHER_COMPUTE_EFFICIENCY
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes a kernel touches reading or writing ``t``: a broadcast (stride-0) dimension is read once."""
+    if t.layout != torch.strided:
+        return t.numel() * t.element_size()
+    elements = 1
+    for size, stride in zip(t.shape, t.stride()):
+        if stride != 0:
+            elements *= size
+    return elements * t.element_size()
+
+
+def _collect(values, seen: dict[int, torch.Tensor]) -> None:
+    # Depth first, left to right, as pytree flattens; aten ops nest tensors only in lists and tuples
+    # (cat's list, the _foreach_ ops' lists, multi-output tuples), so a plain walk finds them all at a
+    # fraction of tree_flatten's cost, which clocked mode would pay on every op.
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            seen.setdefault(id(v), v)
+        elif isinstance(v, (list, tuple)):
+            _collect(v, seen)
+
+
+def _unique_tensors(*values) -> list[torch.Tensor]:
+    """The tensors in ``values`` (nested in lists and tuples), each once, in order of first appearance."""
+    # The same tensor passed twice (x + x) is read once: the second read hits the cache.
+    seen: dict[int, torch.Tensor] = {}
+    _collect(values, seen)
+    return list(seen.values())
+
+
+def _shapes(v):
+    """``v`` with every tensor replaced by its shape and every list by a tuple: all a FLOP formula reads."""
+    if isinstance(v, torch.Tensor):
+        return v.shape
+    if isinstance(v, (list, tuple)):
+        return tuple(_shapes(x) for x in v)
+    return v
+
+
+# FLOPs by op and arguments (tensors as their shapes). torch's formulas see shapes only (flop_counter's
+# wrapper maps each tensor to its shape first, with a tree_map that costs more than the rest of
+# op_cost), and a training step repeats its shapes, so each count is worked out once.
+_FLOPS: dict[tuple, int] = {}
+_FLOPS_MAX = 4096  # a program whose shapes keep changing starts the table afresh past this
+
+
+def _flops(formula, func, args, kwargs, out) -> int:
+    key = (id(func), _shapes(args), _shapes(tuple(kwargs.items())), _shapes(out))  # _ops keeps func alive
+    try:
+        flops = _FLOPS.get(key)
+    except TypeError:  # an argument that cannot be hashed: count afresh
+        return int(formula(*args, **kwargs, out_val=out))
+    if flops is None:
+        if len(_FLOPS) >= _FLOPS_MAX:
+            _FLOPS.clear()
+        flops = _FLOPS[key] = int(formula(*args, **kwargs, out_val=out))
+    return flops
+
+
+# What op_cost needs to know of each op, worked out once and found by id (OpOverload.__hash__ is a
+# Python method): the op itself (so its id stays its own), whether it launches no kernel, whether it
+# only writes ``self``, and its FLOP formula.
+_OPS: dict[int, tuple] = {}
+
+
+def _op(func) -> tuple:
+    facts = _OPS.get(id(func))
+    if facts is None:
+        packet = getattr(func, "overloadpacket", func)
+        free = getattr(func, "is_view", False) or packet in _NO_KERNEL
+        facts = _OPS[id(func)] = (func, free, packet in _WRITE_ONLY_SELF, flop_registry.get(packet))
+    return facts
+
+
+def op_cost(func, args, kwargs, out, profile: Profile) -> OpCost:
+    """Model the time of ``func(*args, **kwargs)``, which returned ``out``, on ``profile``'s GPU.
+
+    ``func`` is an aten OpOverload as ``__torch_dispatch__`` sees it; the tensors may be meta, CPU or
+    emulated ones, only their metadata is read.
+    """
+    kwargs = kwargs or {}
+    _, free, write_only_self, formula = _op(func)
+    if free:
+        return OpCost(0.0, 0, 0, "free", False)
+
+    reads = [v for k, v in kwargs.items() if k != "out"] if kwargs else ()  # an out= tensor is written, not read
+    inputs = _unique_tensors(args, reads)
+    outputs = _unique_tensors(out)
+    if write_only_self and args:
+        inputs = [t for t in inputs if t is not args[0]]
+    if not inputs and not outputs:
+        return OpCost(0.0, 0, 0, "free", False)
+    nbytes = sum(tensor_bytes(t) for t in inputs) + sum(tensor_bytes(t) for t in outputs)
+    if formula is None:
+        return kernel_cost(None, nbytes, None, profile)
+    flops = _flops(formula, func, args, kwargs, out)
+    # The math runs in the inputs' dtype (an fp8 GEMM writes bf16 but multiplies at the fp8 rate).
+    tensors = inputs + outputs
+    dtype = next((t.dtype for t in tensors if t.dtype.is_floating_point), tensors[0].dtype)
+    return kernel_cost(flops, nbytes, dtype, profile)
+
+
+def kernel_cost(flops: int | None, nbytes: int, dtype: torch.dtype | None, profile: Profile) -> OpCost:
+    """The roofline of one kernel that moves ``nbytes`` and computes ``flops`` in ``dtype`` (None: no formula,
+    its time is its bytes); an op's (:func:`op_cost`), or a kernel a compiler fused from several."""
+    memory_s = nbytes / (profile.hbm_tbps * 1e12 * MEMORY_EFFICIENCY)
+    if flops is None:
+        return OpCost(memory_s + KERNEL_LAUNCH_S, 0, nbytes, "bytes-only", False)
+    peak, efficiency = peak_and_efficiency(profile, dtype)
+    compute_s = flops / (peak * efficiency)
+    bound = "compute" if compute_s >= memory_s else "memory"
+    return OpCost(max(compute_s, memory_s) + KERNEL_LAUNCH_S, flops, nbytes, bound, True)

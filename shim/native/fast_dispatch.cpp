@@ -1,0 +1,385 @@
+// Ops on emulated cuda tensors without a round trip through Python.
+//
+// Every aten op on a MirageTensor (shim/tensor/wrapper.py) reaches torch's Python
+// dispatch key, whose fallback converts the arguments to Python objects, finds
+// __torch_dispatch__, runs it and converts the result back: about 15 us an op
+// in a training step, more than many ops take. This library registers kernels
+// for the Python key on the ops a training step mostly runs (shim/tensor/fast_dispatch.py
+// lists them): the views (view, t, transpose, detach, expand, ...: 102 of the
+// 183 dispatches of a transformer-block step) and common functional ops (mm,
+// add, clone, softmax, layer norm, their backwards, ...). For exact
+// MirageTensors with no TorchDispatchMode active each does what
+// __torch_dispatch__'s _fast does: run the op on the wrappers' CPU tensors
+// (_elem) and wrap the results as Tensor._make_wrapper_subclass does, with
+// _elem, _gpu and _src (a view) or _mem (ALLOCATOR.hold, called in Python) set.
+// Anything else (a mode, another subclass such as DTensor, a CPU or second
+// GPU's tensor among the arguments, an error from the op or the allocator)
+// takes what torch's Python fallback does, so Python sees the same calls, and
+// raises the same errors, as without this library. It also offers _new the
+// same wrapper for the outputs of the ops it leaves to Python (new_wrapper).
+//
+// shim/tensor/fast_dispatch.py builds it (shim/native/build.py: it needs Python's and
+// libtorch_python's headers) and registers it once shim/tensor/wrapper.py exists.
+
+#include <Python.h>
+
+#include <memory>
+#include <vector>
+
+#include <ATen/EmptyTensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <ATen/record_function.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/core/impl/PyInterpreterHooks.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/library.h>
+
+namespace {
+
+// The keys above Python (autograd, ADInplaceOrView, functionalization, ...): torch's Python
+// fallback excludes them while __torch_dispatch__ runs, so that an op on the CPU tensor inside
+// goes straight to its kernel. The same set as in aten/src/ATen/core/PythonFallbackKernel.cpp.
+constexpr c10::DispatchKeySet kAbovePython = c10::DispatchKeySet(c10::DispatchKeySet::FULL) ^
+    (c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, c10::DispatchKey::Python) |
+     c10::DispatchKeySet(c10::DispatchKey::Python));
+
+PyTypeObject* g_wrapper_type = nullptr;  // shim.tensor.wrapper.MirageTensor
+PyObject* g_allocating = nullptr;        // shim.device.state._alloc: .gpu overrides the output's GPU
+PyObject* g_elem = nullptr;              // interned attribute names
+PyObject* g_gpu = nullptr;
+PyObject* g_src = nullptr;
+PyObject* g_override = nullptr;
+PyObject* g_mem = nullptr;
+PyObject* g_hold = nullptr;  // ALLOCATOR.hold(elem, gpu) -> the allocator's key (shim/memory/allocator.py)
+torch::Library* g_library = nullptr;  // kept for the process's life: it owns the registrations
+
+// What torch's Python fallback does (PythonFallbackKernel.cpp, pythonFallback): the innermost
+// TorchDispatchMode's __torch_dispatch__, else the tensors' own; without a Python tensor (a
+// mode put the Python key in the thread's included set and is gone), the kernels below Python.
+void python_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  c10::impl::ExcludeDispatchKeyGuard exclude(kAbovePython);
+  const auto num_arguments = op.schema().arguments().size();
+  const auto modes = c10::impl::TorchDispatchModeTLS::stack_len();
+  if (modes > 0) {
+    RECORD_FUNCTION("PythonDispatchMode", torch::jit::last(*stack, num_arguments));
+    c10::impl::TorchDispatchModeTLS::get_stack_at(modes - 1)->pyinterpreter()->dispatch(op, stack);
+    return;
+  }
+  RECORD_FUNCTION("PythonSubclass", torch::jit::last(*stack, num_arguments));
+  bool python_tensor = false;
+  for (const auto& ivalue : torch::jit::last(*stack, num_arguments)) {
+    if (ivalue.isTensor() && ivalue.unsafeToTensorImpl()->key_set().has(c10::DispatchKey::Python)) {
+      python_tensor = true;  // the ops registered take no lists of tensors to look through
+    }
+  }
+  if (python_tensor) {
+    (*c10::impl::getGlobalPyInterpreter())->dispatch(op, stack);
+    return;
+  }
+  auto local = c10::impl::tls_local_dispatch_key_set();
+  c10::impl::ForceDispatchKeyGuard no_python(local.included_.remove(c10::DispatchKey::Python), local.excluded_);
+  op.redispatchBoxed(keys.remove(c10::DispatchKey::Python), stack);
+}
+
+// The GIL released for the scope (exceptions included).
+struct NoGil {
+  PyThreadState* state;
+  NoGil() : state(PyEval_SaveThread()) {}
+  NoGil(const NoGil&) = delete;
+  NoGil& operator=(const NoGil&) = delete;
+  ~NoGil() {
+    PyEval_RestoreThread(state);
+  }
+};
+
+// A strong reference released at the end of the scope.
+struct Ref {
+  PyObject* p;
+  explicit Ref(PyObject* obj) : p(obj) {}
+  Ref(const Ref&) = delete;
+  Ref& operator=(const Ref&) = delete;
+  ~Ref() {
+    Py_XDECREF(p);
+  }
+};
+
+// A wrapper of `elem` as shim/tensor/wrapper.py's _new makes it (Tensor._make_wrapper_subclass with elem's
+// sizes, strides, offset and dtype on mirage:0): a storage that only tracks aliasing (no data),
+// the backend's key, the Python keys of a class with __torch_dispatch__.
+at::Tensor wrapper_of(const at::Tensor& elem) {
+  const auto sizes = elem.sizes();
+  const auto strides = elem.strides();
+  const auto offset = elem.storage_offset();
+  const auto nbytes = at::detail::computeStorageNbytes(sizes, strides, elem.dtype().itemsize(), offset);
+  c10::Storage storage(c10::Storage::use_byte_size_t{}, nbytes, c10::GetAllocator(c10::kMeta), /*resizable=*/true);
+  storage.set_data_ptr_noswap(at::DataPtr(nullptr, c10::Device(c10::DeviceType::PrivateUse1, 0)));
+  auto wrapper = at::detail::make_tensor<c10::TensorImpl>(
+      std::move(storage), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), elem.dtype());
+  auto* impl = wrapper.unsafeGetTensorImpl();
+  impl->set_sizes_and_strides(sizes, strides, offset);
+  impl->set_python_dispatch(true);
+  return wrapper;
+}
+
+// The view of an exact MirageTensor, done here; false (the stack untouched) when it is not one,
+// or anything is unusual: the Python path then decides, and raises what it raises.
+bool view_in_cpp(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  if (c10::impl::TorchDispatchModeTLS::stack_len() > 0) {
+    return false;
+  }
+  const auto num_arguments = op.schema().arguments().size();
+  auto args = stack->end() - static_cast<std::ptrdiff_t>(num_arguments);
+  if (!args->isTensor()) {
+    return false;
+  }
+  PyObject* self = args->unsafeToTensorImpl()->pyobj_slot()->load_pyobj();
+  if (self == nullptr || Py_TYPE(self) != g_wrapper_type) {
+    return false;
+  }
+  Ref elem(PyObject_GetAttr(self, g_elem));
+  if (elem.p == nullptr || !THPVariable_CheckExact(elem.p)) {
+    PyErr_Clear();
+    return false;
+  }
+  const at::Tensor& cpu = THPVariable_Unpack(elem.p);
+  if (cpu.is_conj() || cpu.is_neg() || cpu.layout() != c10::kStrided) {
+    return false;  // _fast materializes lazy conjugate/negative views; sparse tensors have no strides
+  }
+  Ref gpu(PyObject_GetAttr(g_allocating, g_override));  // allocating_on(gpu) decides, as in _fast
+  if (gpu.p == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  if (gpu.p == Py_None) {
+    Py_DECREF(gpu.p);
+    gpu.p = PyObject_GetAttr(self, g_gpu);
+  }
+  Ref src(PyObject_GetAttr(self, g_src));  // the wrapper that holds the storage: views never chain
+  if (gpu.p == nullptr || src.p == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  torch::jit::Stack inner(args, stack->end());
+  inner[0] = cpu;
+  {
+    // an error (a shape the view cannot take) reaches kernel(), which leaves the op to the
+    // Python path: views have no side effects, so it runs again there and raises it
+    c10::impl::ExcludeDispatchKeyGuard exclude(kAbovePython);
+    op.callBoxed(inner);
+  }
+  at::Tensor out = std::move(inner[0]).toTensor();  // one tensor: shim/tensor/fast_dispatch.py checks the schemas
+  if (out.unsafeGetTensorImpl() == cpu.unsafeGetTensorImpl()) {
+    return false;  // the op handed back its input: _fast returns the same wrapper
+  }
+  at::Tensor wrapper = wrapper_of(out);
+  Ref obj(THPVariable_Wrap(wrapper, g_wrapper_type));
+  Ref out_obj(THPVariable_Wrap(std::move(out)));
+  if (obj.p == nullptr || out_obj.p == nullptr || PyObject_SetAttr(obj.p, g_elem, out_obj.p) != 0 ||
+      PyObject_SetAttr(obj.p, g_gpu, gpu.p) != 0 ||
+      PyObject_SetAttr(obj.p, g_src, src.p == Py_None ? self : src.p) != 0) {
+    PyErr_Clear();
+    return false;
+  }
+  torch::jit::drop(*stack, num_arguments);
+  torch::jit::push(*stack, std::move(wrapper));
+  return true;
+}
+
+// A functional op (no aliasing, no side effects, no device arguments: shim/tensor/fast_dispatch.py picks them)
+// on exact MirageTensors of one GPU and 0-dim CPU tensors, done here as _fast does it: the op on
+// the CPU tensors inside (the GIL released), each output wrapped and counted by the allocator
+// (ALLOCATOR.hold, in Python). False (nothing changed) when the arguments are anything else, or
+// when the op or the allocator raises: the Python path then runs it again and raises what it raises.
+bool plain_in_cpp(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  if (c10::impl::TorchDispatchModeTLS::stack_len() > 0) {
+    return false;
+  }
+  const auto num_arguments = op.schema().arguments().size();
+  auto args = stack->end() - static_cast<std::ptrdiff_t>(num_arguments);
+  torch::jit::Stack inner(args, stack->end());
+  long gpu_index = -1;  // the GPU of the wrappers among the arguments (-1: none seen)
+  for (size_t i = 0; i < inner.size(); ++i) {
+    if (!inner[i].isTensor() || !inner[i].toTensor().defined()) {
+      continue;  // the ops registered take no lists of tensors
+    }
+    c10::TensorImpl* impl = inner[i].unsafeToTensorImpl();
+    PyObject* obj = impl->pyobj_slot()->load_pyobj();
+    if (obj == nullptr || Py_TYPE(obj) != g_wrapper_type) {
+      if (impl->key_set().has(c10::DispatchKey::Python) || impl->dim() > 0 || !impl->device().is_cpu()) {
+        return false;  // a CPU tensor with dimensions, another GPU's or a subclass: _dispatch decides
+      }
+      continue;  // a 0-dim CPU tensor is a scalar, which any op takes alongside cuda ones
+    }
+    Ref elem(PyObject_GetAttr(obj, g_elem));
+    Ref gpu(PyObject_GetAttr(obj, g_gpu));
+    if (elem.p == nullptr || gpu.p == nullptr || !THPVariable_CheckExact(elem.p)) {
+      PyErr_Clear();
+      return false;
+    }
+    const long index = PyLong_AsLong(gpu.p);
+    if (index == -1 && PyErr_Occurred()) {
+      PyErr_Clear();
+      return false;
+    }
+    if (gpu_index == -1) {
+      gpu_index = index;
+    } else if (index != gpu_index) {
+      return false;  // two GPUs: _dispatch raises torch's error
+    }
+    inner[i] = THPVariable_Unpack(elem.p);
+    if (inner[i].unsafeToTensorImpl()->layout() != c10::kStrided) {
+      return false;  // a sparse tensor's results have no strides to give a wrapper: left to _new
+    }
+  }
+  if (gpu_index == -1) {
+    return false;
+  }
+  Ref gpu(PyObject_GetAttr(g_allocating, g_override));  // allocating_on(gpu) decides, as in _fast
+  if (gpu.p == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  if (gpu.p == Py_None) {
+    Py_DECREF(gpu.p);
+    gpu.p = PyLong_FromLong(gpu_index);
+  }
+  {
+    // as the Python path's func._op does: kernels run without the GIL. An error reaches
+    // kernel(), which leaves the op (functional: nothing changed) to the Python path.
+    NoGil no_gil;
+    c10::impl::ExcludeDispatchKeyGuard exclude(kAbovePython);
+    op.callBoxed(inner);
+  }
+  std::vector<c10::IValue> outs;
+  outs.reserve(inner.size());
+  for (auto& value : inner) {
+    if (!value.isTensor()) {
+      outs.push_back(std::move(value));  // an undefined tensor (a backward's unneeded output)
+      continue;
+    }
+    at::Tensor out = std::move(value).toTensor();
+    if (!out.defined()) {
+      outs.emplace_back(std::move(out));
+      continue;
+    }
+    if (out.is_conj() || out.is_neg()) {
+      out = out.resolve_conj().resolve_neg();  // as _wrap_one does for any op: a wrapper has no lazy bits
+    }
+    at::Tensor wrapper = wrapper_of(out);
+    Ref obj(THPVariable_Wrap(wrapper, g_wrapper_type));
+    Ref out_obj(THPVariable_Wrap(std::move(out)));
+    if (obj.p == nullptr || out_obj.p == nullptr || PyObject_SetAttr(obj.p, g_elem, out_obj.p) != 0 ||
+        PyObject_SetAttr(obj.p, g_gpu, gpu.p) != 0) {
+      PyErr_Clear();
+      return false;
+    }
+    Ref mem(PyObject_CallFunctionObjArgs(g_hold, out_obj.p, gpu.p, nullptr));
+    if (mem.p == nullptr || PyObject_SetAttr(obj.p, g_mem, mem.p) != 0) {
+      PyErr_Clear();  // the allocator refused it (out of memory): the Python path raises that
+      return false;
+    }
+    outs.emplace_back(std::move(wrapper));
+  }
+  torch::jit::drop(*stack, num_arguments);
+  for (auto& value : outs) {
+    torch::jit::push(*stack, std::move(value));
+  }
+  return true;
+}
+
+// The kernel for the Python key: `in_cpp` (view_in_cpp, plain_in_cpp) with the GIL held (the
+// autograd engine calls ops with it released), torch's Python fallback when it declines or throws.
+template <bool (*in_cpp)(const c10::OperatorHandle&, torch::jit::Stack*)>
+void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  {
+    PyGILState_STATE gil = PyGILState_Ensure();
+    bool done = false;
+    try {
+      done = in_cpp(op, stack);
+    } catch (const std::exception&) {
+      PyErr_Clear();  // the op's error, or anything unforeseen: the Python path decides
+    }
+    PyGILState_Release(gil);
+    if (done) {
+      return;
+    }
+  }
+  python_fallback(op, keys, stack);
+}
+
+// _new's wrapper of a plain CPU tensor, `_elem` set: Tensor._make_wrapper_subclass's result
+// without parsing its dozen keyword arguments (shim/tensor/wrapper.py: every op's output is made so).
+PyObject* new_wrapper(PyObject* /*module*/, PyObject* elem) {
+  if (!THPVariable_CheckExact(elem)) {
+    PyErr_SetString(PyExc_TypeError, "new_wrapper takes a plain tensor");
+    return nullptr;
+  }
+  try {
+    PyObject* obj = THPVariable_Wrap(wrapper_of(THPVariable_Unpack(elem)), g_wrapper_type);
+    if (obj != nullptr && PyObject_SetAttr(obj, g_elem, elem) != 0) {
+      Py_CLEAR(obj);
+    }
+    return obj;
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+PyMethodDef g_new_wrapper_def = {"new_wrapper", new_wrapper, METH_O, "A MirageTensor wrapping a CPU tensor."};
+
+} // namespace
+
+// new_wrapper as a Python builtin (a new reference), once mirage_register_kernels has run.
+extern "C" PyObject* mirage_new_wrapper() {
+  return PyCFunction_New(&g_new_wrapper_def, nullptr);
+}
+
+// Register the view kernel on the ops `views` names (aten overloads: "view", "transpose.int") and
+// the plain kernel on those `plain` names; `wrapper_type` is MirageTensor, `allocating` the
+// threading.local whose .gpu overrides an output's GPU, `hold` the allocator's ALLOCATOR.hold.
+// Called with the GIL held (ctypes.PyDLL). Returns 0, or -1 with a Python exception set.
+extern "C" int mirage_register_kernels(PyObject* wrapper_type, PyObject* allocating, PyObject* hold,
+                                       PyObject* views, PyObject* plain) {
+  if (g_library != nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "the kernels are registered already");
+    return -1;
+  }
+  if (!PyType_Check(wrapper_type) || !PyList_Check(views) || !PyList_Check(plain)) {
+    PyErr_SetString(PyExc_TypeError, "expected the wrapper's type and two lists of op names");
+    return -1;
+  }
+  g_elem = PyUnicode_InternFromString("_elem");
+  g_gpu = PyUnicode_InternFromString("_gpu");
+  g_src = PyUnicode_InternFromString("_src");
+  g_mem = PyUnicode_InternFromString("_mem");
+  g_override = PyUnicode_InternFromString("gpu");
+  Py_INCREF(wrapper_type);
+  Py_INCREF(allocating);
+  Py_INCREF(hold);
+  g_wrapper_type = reinterpret_cast<PyTypeObject*>(wrapper_type);
+  g_allocating = allocating;
+  g_hold = hold;
+  try {
+    // a failure part way deletes the library, which takes back the kernels it registered
+    auto library = std::make_unique<torch::Library>(
+        torch::Library::IMPL, "aten", c10::DispatchKey::Python, "shim/native/fast_dispatch.cpp", __LINE__);
+    for (PyObject* names : {views, plain}) {
+      for (Py_ssize_t i = 0; i < PyList_GET_SIZE(names); ++i) {
+        const char* name = PyUnicode_AsUTF8(PyList_GET_ITEM(names, i));
+        if (name == nullptr) {
+          return -1;
+        }
+        library->impl(name, names == views ? torch::CppFunction::makeFromBoxedFunction<&kernel<&view_in_cpp>>()
+                                           : torch::CppFunction::makeFromBoxedFunction<&kernel<&plain_in_cpp>>());
+      }
+    }
+    g_library = library.release();
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return -1;
+  }
+  return 0;
+}

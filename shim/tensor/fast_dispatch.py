@@ -1,0 +1,120 @@
+"""Views and common ops on ``cuda:i`` tensors in C++: ``shim/native/fast_dispatch.cpp``, for torch's Python key.
+
+Each op on an emulated tensor costs a Python round trip (torch's conversion of
+the arguments, ``MirageTensor.__torch_dispatch__``, ``_make_wrapper_subclass``)
+of several times what most ops of a training step take. The library's kernels
+take the views (:data:`VIEW_OPS`) and common functional ops
+(:data:`PLAIN_OPS`) of exact ``MirageTensor`` arguments on one GPU when no
+``TorchDispatchMode`` is active, doing what ``__torch_dispatch__`` would, and
+leave everything else to torch's Python fallback (a mode, DTensor and other
+subclasses, mixed devices and errors see the same calls as without it). It also
+makes the wrappers of the outputs of the ops left to Python (``shim/tensor/wrapper.py``'s
+``_new``): the same wrapper as ``Tensor._make_wrapper_subclass``, without
+parsing its dozen keyword arguments for each op.
+
+Without a C++ compiler, or Python's headers, every op keeps going through
+``__torch_dispatch__`` and every wrapper through ``_make_wrapper_subclass``
+(:data:`FAST_DISPATCH_ERROR` says why).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from shim.clock import clock
+from shim.device import state as dev
+from shim.memory.allocator import ALLOCATOR
+from shim.native import build as pinned_build
+from shim.tensor import wrapper as tensor
+from shim.tensor.wrapper import MirageTensor
+
+#: None once the C++ kernels are registered; otherwise why not (one line)
+FAST_DISPATCH_ERROR: str | None = "shim.tensor.fast_dispatch.install() has not run"
+
+_aten = torch.ops.aten
+#: the views taken in C++: views whose one tensor argument is the first and which return one tensor
+#: (what the kernel assumes; _check_view holds each to that)
+VIEW_OPS = (
+    _aten.view.default, _aten.t.default, _aten.transpose.int, _aten.detach.default, _aten.expand.default,
+    _aten.select.int, _aten.unsqueeze.default, _aten.squeeze.dim, _aten.squeeze.dims, _aten.squeeze.default,
+    _aten.permute.default, _aten.as_strided.default, _aten.slice.Tensor, _aten.alias.default,
+    _aten.diagonal.default, _aten.unfold.default, _aten.view.dtype,
+)
+
+#: functional ops taken in C++ (the common ones of training steps); _check_plain holds each to what
+#: the kernel assumes
+PLAIN_OPS = (
+    _aten.mm.default, _aten.bmm.default, _aten.addmm.default, _aten.add.Tensor, _aten.sub.Tensor,
+    _aten.mul.Tensor, _aten.mul.Scalar, _aten.div.Tensor, _aten.div.Scalar, _aten.neg.default,
+    _aten.clone.default, _aten._unsafe_view.default, _aten.sum.dim_IntList, _aten.sum.default, _aten.mean.dim,
+    _aten.mean.default, _aten.pow.Tensor_Scalar, _aten.sqrt.default, _aten.rsqrt.default, _aten.exp.default,
+    _aten.log.default, _aten.where.self, _aten.relu.default, _aten.threshold_backward.default,
+    _aten.gelu.default, _aten.gelu_backward.default, _aten.silu.default, _aten.silu_backward.default,
+    _aten.tanh.default, _aten.tanh_backward.default, _aten.sigmoid.default, _aten.sigmoid_backward.default,
+    _aten._softmax.default, _aten._safe_softmax.default, _aten._softmax_backward_data.default,
+    _aten._log_softmax.default, _aten._log_softmax_backward_data.default, _aten.native_layer_norm.default,
+    _aten.native_layer_norm_backward.default, _aten.select_backward.default, _aten.slice_backward.default,
+    _aten.embedding.default, _aten.embedding_dense_backward.default, _aten.nll_loss_forward.default,
+    _aten.nll_loss_backward.default,
+)
+
+_lib: ctypes.CDLL | None = None  # kept: the registrations point into it for the process's life
+
+
+def _name(op) -> str:
+    """``op``'s name as a kernel is registered under it: ``view``, ``transpose.int``."""
+    name = op._schema.name.split("::", 1)[1]
+    return f"{name}.{op._schema.overload_name}" if op._schema.overload_name else name
+
+
+def _check_view(op) -> str:
+    """``op``'s name, once its schema is what the view kernel assumes."""
+    schema = op._schema
+    tensors = [i for i, a in enumerate(schema.arguments) if "Tensor" in str(a.type)]
+    returns = [str(r.type) for r in schema.returns]
+    if not op.is_view or tensors != [0] or returns != ["Tensor"]:
+        raise AssertionError(f"{op} is not a view of its one tensor argument returning one tensor")
+    return _name(op)
+
+
+def _check_plain(op) -> str:
+    """``op``'s name, once it is what the plain kernel assumes: what ``_fast`` runs as it is (a plain op,
+    no view), writing to and aliasing no argument, with no lists of tensors or devices among its
+    arguments (keyword-only ones too) and tensors for results."""
+    schema = op._schema
+    plan = tensor._Plan(op)
+    if (plan.kind != tensor._PLAIN or plan.mixed_ok or op.is_view
+            or any(a.alias_info is not None or tensor._tensor_slot(a.type) is None for a in schema.arguments)
+            or any(r.alias_info is not None or str(r.type) != "Tensor" for r in schema.returns)):
+        raise AssertionError(f"{op} is not a functional op on tensors and numbers")
+    return _name(op)
+
+
+def install() -> None:
+    """Build (once, cached) and register the kernels; on failure record why in :data:`FAST_DISPATCH_ERROR`."""
+    global FAST_DISPATCH_ERROR, _lib
+    try:
+        views = [_check_view(op) for op in VIEW_OPS]
+        # Clocked mode times every kernel in Python (shim/clock/clock.py); a view launches none, so only the
+        # views stay in C++ there.
+        plain = [] if clock.ENABLED else [_check_plain(op) for op in PLAIN_OPS]
+        lib = pinned_build.load(pinned_build.FAST_DISPATCH_SOURCE, "the fast dispatch kernels", ctypes.PyDLL)
+    except (AssertionError, pinned_build.BuildError) as e:  # another torch's schemas, or no build
+        FAST_DISPATCH_ERROR = str(e)
+        return
+    register = lib.mirage_register_kernels
+    register.argtypes = [ctypes.py_object] * 5
+    register.restype = ctypes.c_int
+    try:
+        # dev._alloc: the thread's allocating_on() GPU, which overrides an output's GPU as in _fast
+        register(MirageTensor, dev._alloc, ALLOCATOR.hold, views, plain)
+    except (RuntimeError, TypeError) as e:  # the error the library set (PyDLL raises it)
+        FAST_DISPATCH_ERROR = f"cannot register the fast dispatch kernels: {e}"
+        return
+    factory = lib.mirage_new_wrapper
+    factory.restype = ctypes.py_object
+    tensor.use_wrapper_factory(factory())
+    _lib = lib
+    FAST_DISPATCH_ERROR = None

@@ -1,0 +1,564 @@
+"""``cuda:i`` tensors: a wrapper subclass around a CPU tensor.
+
+At the C++ level every emulated tensor sits on the one PrivateUse1 device
+(``mirage:0``): the Python device guard reports a single device and the
+autograd engine indexes its ready queues by device index. The emulated GPU
+index lives on the wrapper (``_gpu``), and Python sees ``device`` as
+``cuda:<_gpu>``. Every aten op on a wrapper reaches ``__torch_dispatch__``,
+which runs it on the CPU tensors inside and wraps the results again.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import torch
+from torch._subclasses import meta_utils
+from torch._subclasses.fake_tensor import is_fake
+from torch._subclasses.functional_tensor import FunctionalTensor
+
+from shim.clock import clock
+from shim.device import deferred, rng
+from shim.device import state as dev
+from shim.memory.allocator import ALLOCATOR
+from shim.ops import attention
+from shim.ops.functional import functional_collective, traced_collective
+
+BACKEND = dev.BACKEND  # must be registered before this module is imported
+BACKEND_DEVICE = torch.device(BACKEND, 0)
+
+_aten = torch.ops.aten
+# ops that legitimately take CPU tensors alongside cuda ones
+_MIXED_OK = {
+    _aten.copy_.default,
+    _aten._to_copy.default,
+    _aten.index.Tensor,
+    _aten.index_put_.default,
+    _aten._index_put_impl_.default,
+    _aten.index_put.default,
+    _aten.lift_fresh.default,
+}
+
+
+#: ops that copy a tensor to another device (``cpu``: off the emulated GPU)
+_LEAVING_OPS = {_aten._to_copy.default, _aten.to.dtype_layout, _aten.to.device}
+
+
+class _CudaStorage(torch.UntypedStorage):
+    """A ``cuda:i`` tensor's storage as Python sees it: the host storage inside, on GPU ``i``."""
+
+    _gpu: int
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return torch.device("cuda", self._gpu)
+
+
+class MirageTensor(torch.Tensor):
+    """A tensor on emulated GPU ``_gpu``; its data is the CPU tensor ``_elem``."""
+
+    _elem: torch.Tensor
+    _gpu: int
+    _mem: int = 0  # the allocator's key for _elem's storage (0: not counted by this wrapper)
+    # A view made by an op is counted through the wrapper that holds its storage: it keeps that
+    # wrapper alive instead of taking a hold of its own (cheaper, and the same books).
+    _src: MirageTensor | None = None
+
+    @staticmethod
+    def __new__(cls, elem: torch.Tensor, gpu: int):
+        return _new(elem, gpu, None)
+
+    def __del__(self):
+        # the last wrapper of a storage frees it on its GPU (torch.cuda.memory_allocated drops)
+        if self._mem:
+            ALLOCATOR.release(self._mem)
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return torch.device("cuda", self._gpu)
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return True
+
+    def get_device(self) -> int:  # type: ignore[override]
+        return self._gpu
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        # format the CPU data; torch then appends device='cuda:i' and grad_fn as usual
+        if tensor_contents is None:
+            if dev.STATE.sync_debug:  # printing copies the data to the host
+                dev.synchronizing()
+            tensor_contents = torch._tensor_str._tensor_str(self._elem.detach(), len("tensor("))
+        text = torch._tensor_str._str(self, tensor_contents=tensor_contents)
+        text = text.replace(f"{type(self).__name__}(", "tensor(", 1)
+        if text.startswith("Parameter(") and getattr(self, "_is_param", False):
+            # torch writes a subclass's parameter as Parameter(...); a GPU's is Parameter.__repr__'s
+            text = "Parameter containing:\n" + text[len("Parameter("):-1]
+        return text
+
+    def tolist(self):
+        if dev.STATE.sync_debug:
+            dev.synchronizing()
+        return self._elem.tolist()
+
+    def numpy(self, *, force: bool = False):
+        """As on a GPU: a TypeError naming the device, unless ``force`` (which copies to the host)."""
+        if force:
+            return self.cpu().numpy(force=True)
+        raise TypeError(
+            f"can't convert {self.device} device type tensor to numpy. "
+            "Use Tensor.cpu() to copy the tensor to host memory first."
+        )
+
+    def untyped_storage(self) -> torch.UntypedStorage:  # type: ignore[override]
+        """The host storage holding the data, reporting this tensor's device (``cuda:i``), as on a GPU."""
+        if _describing.on:
+            # a fake copy is being made: a storage of its own each time (the data's is described as the inner
+            # tensor's; the same storage seen again, as when DDPOptimizer fakes its inputs anew, reads as aliasing)
+            return torch.UntypedStorage(super().untyped_storage().nbytes(), device="meta")
+        s = self._elem.untyped_storage()
+        if type(s) is not _CudaStorage:
+            s.__class__ = _CudaStorage  # torch keeps one Python object per storage: this sticks
+        s._gpu = self._gpu
+        return s
+
+    def data_ptr(self) -> int:  # type: ignore[override]
+        """The data's address (nonzero, shared by views), as code that compares storages expects."""
+        return self._elem.data_ptr()
+
+    def __format__(self, spec: str) -> str:
+        if self.dim() == 0:
+            return self.item().__format__(spec)
+        return object.__format__(self, spec)
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    # A traceable wrapper subclass (shim/compile/torch_compile.py): AOTAutograd compiles graphs over the CPU
+    # tensor inside, and wraps what they return on the same GPU.
+    def __tensor_flatten__(self):
+        return ["_elem"], self._gpu
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, gpu, outer_size, outer_stride):
+        return _new(inner_tensors["_elem"], gpu, None)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        try:
+            plan = _PLANS.get(id(func))  # by id: OpOverload.__hash__ is a Python method
+            if plan is None:
+                plan = _PLANS[id(func)] = _Plan(func)  # the plan holds func, so the id stays its own
+            out = _fast(plan, args) if plan.fast and not kwargs else None
+            if out is None:
+                out = _dispatch(func, plan, args, kwargs)
+            if clock.CLOCK is not None and plan.kind != _COLLECTIVE and not _tracing(args):
+                # clocked mode: a kernel takes time (a traced one: see shim/compile/torch_compile.py)
+                clock.CLOCK.charge(func, args, kwargs, out)
+            return out
+        except Exception as e:
+            if not deferred.in_backward():
+                raise
+            # Inside the autograd engine an exception here aborts the process where torch's
+            # Python device guard is in use (it calls back into Python while the exception
+            # unwinds; the C++ one of shim/cuda/engine.py does not, but it may not be built), so it
+            # is handed to the thread that called backward() instead: see shim/device/deferred.py.
+            return deferred.defer(e, func, args, kwargs)
+
+
+# Every op on a wrapper comes through here, so how each op is run is worked out from its schema once
+# (a _Plan) and found again with one dict lookup. Most ops then take _fast: their positional arguments
+# are tensors or hold none, and only those positions are unwrapped.
+_PLAIN, _TO, _DROPOUT, _DROPOUT_BACKWARD, _COLLECTIVE, _KERNEL, _RANDOM = range(7)
+#: ops that wait for the GPU to hand a value or a size to the host (what set_sync_debug_mode flags; D2H copies
+#: and boolean-mask indexing are told apart by their arguments, in _synchronizes)
+_SYNCING = {_aten._local_scalar_dense.default, _aten.nonzero.default, _aten.masked_select.default,
+            _aten._unique2.default, _aten.unique_dim.default, _aten.unique_consecutive.default,
+            _aten.repeat_interleave.Tensor}
+#: schema types that never hold a tensor or a device (SymInt is IntType here)
+_NO_TENSOR = {"IntType", "BoolType", "NumberType", "FloatType", "StringType", "ComplexType", "GeneratorType",
+              "AnyEnumType"}
+
+
+def _tensor_slot(t) -> bool | None:
+    """True for a ``Tensor``/``Tensor?`` argument, False for one that holds no tensor or device, else None."""
+    kind = t.kind()
+    if kind == "TensorType":
+        return True
+    if kind in _NO_TENSOR:
+        return False
+    if kind == "OptionalType":
+        return _tensor_slot(t.getElementType())
+    if kind == "ListType" and _tensor_slot(t.getElementType()) is False:
+        return False  # int[], float[], ...: lists of tensors take the general path
+    return None
+
+
+class _Plan:
+    """What dispatching one op needs to know, read from its schema once."""
+
+    __slots__ = ("func", "kind", "run", "mixed_ok", "view", "fast", "tensors")
+
+    def __init__(self, func):
+        self.func = func
+        if func is _aten.native_dropout.default:
+            self.kind = _DROPOUT
+        elif func is _aten.native_dropout_backward.default:
+            self.kind = _DROPOUT_BACKWARD
+        elif func.namespace.startswith("_c10d_functional"):  # DTensor's collectives reach the "nccl" group
+            self.kind = _COLLECTIVE
+        elif func in attention.CPU_KERNELS:  # GPU-only ops, computed on the CPU reference path
+            self.kind = _KERNEL
+        elif rng.random_overload(func) is not None:  # drawn from the GPU's generator
+            self.kind = _RANDOM
+        elif func in _LEAVING_OPS:
+            self.kind = _TO
+        else:
+            self.kind = _PLAIN
+        # the C++ operator itself: OpOverload.__call__ is one more Python frame around it
+        self.run = attention.CPU_KERNELS.get(func) or (func._op if type(func) is torch._ops.OpOverload else func)
+        self.mixed_ok = func in _MIXED_OK
+        # a view op's outputs share the storage of its first argument
+        self.view = bool(getattr(func, "is_view", False))
+        slots = [_tensor_slot(a.type) for a in func._schema.arguments if not a.kwarg_only]
+        self.tensors = tuple(i for i, slot in enumerate(slots) if slot)
+        # an op that waits for the GPU takes the general path, where set_sync_debug_mode is honoured
+        self.fast = self.kind == _PLAIN and None not in slots and func not in _SYNCING
+
+
+_PLANS: dict[int, _Plan] = {}
+
+
+def _fast(plan: _Plan, args: tuple):
+    """``_dispatch`` of a plain op called with positional arguments only; None to take the general path.
+
+    Anything unusual (tensors on two GPUs, or a CPU tensor alongside) goes the general way, which
+    allows it or raises the device's error.
+    """
+    uargs = list(args)
+    first = None
+    n = len(args)
+    for i in plan.tensors:
+        if i >= n:
+            break
+        a = args[i]
+        if isinstance(a, MirageTensor):
+            if first is None:
+                first = a
+            elif a._gpu != first._gpu:
+                return None
+            uargs[i] = a._elem
+        elif isinstance(a, torch.Tensor) and a.dim() > 0:  # 0-dim CPU tensors (and numbers) are scalars
+            return None
+    if first is None:
+        return None
+    override = dev.allocation_override()
+    gpu = first._gpu if override is None else override
+    out = plan.run(*uargs)
+    if type(out) is not torch.Tensor:
+        return _wrap(out, gpu, [a for a in args if isinstance(a, MirageTensor)], plan, args)
+    for a in args:  # in-place ops (and lift_fresh) return their argument: hand back the same wrapper
+        if isinstance(a, MirageTensor) and a._elem is out:
+            return _same_wrapper(a, out, gpu)
+    if out.is_conj() or out.is_neg():
+        return _new(out.resolve_conj().resolve_neg(), gpu, None)  # see _wrap_one
+    if plan.view and args[0] is first:
+        src = first._src
+        return _new(out, gpu, first if src is None else src)
+    return _new(out, gpu, None)
+
+
+def _dispatch(func, plan: _Plan, args, kwargs):
+    """Run ``func`` on the CPU tensors inside the wrappers and wrap what it returns."""
+    # Hand-written unwrap of the argument shapes aten uses (tensors, lists and tuples of them,
+    # devices): pytree is ~2x slower.
+    inputs: list[MirageTensor] = []
+    cpus: list[torch.Tensor] = []
+    uargs = _unwrap(args, inputs, cpus)
+    ukwargs = dict(zip(kwargs, _unwrap(kwargs.values(), inputs, cpus))) if kwargs else {}
+    gpu = inputs[0]._gpu if inputs else None
+    if not plan.mixed_ok and gpu is not None:
+        for w in inputs:
+            if w._gpu != gpu:
+                raise RuntimeError(
+                    "Expected all tensors to be on the same device, but found at least two devices, "
+                    f"cuda:{gpu} and cuda:{w._gpu}!"
+                )
+        if cpus:
+            raise RuntimeError(
+                f"Expected all tensors to be on the same device, but found at least two devices, cuda:{gpu} and cpu!"
+            )
+    if dev.STATE.sync_debug and inputs and _synchronizes(func, args, kwargs):
+        dev.synchronizing()
+    override = dev.allocation_override()
+    out_gpu = override if override is not None else gpu if gpu is not None else dev.STATE.current
+    kind = plan.kind
+    if kind == _PLAIN or kind == _KERNEL:
+        out = plan.run(*uargs, **ukwargs)
+    elif kind != _TO and _tracing(inputs):
+        # torch.compile traces (shim/compile/torch_compile.py): a random op or dropout is itself in the graph,
+        # drawn as inductor draws; a collective names the GPU whose data it holds (shim/ops/functional.py)
+        out = (traced_collective(func, uargs, ukwargs, out_gpu) if kind == _COLLECTIVE
+               else plan.run(*uargs, **ukwargs))
+    elif kind == _TO:
+        target = args[1] if func is _aten.to.device else kwargs.get("device") if kwargs else None
+        out = plan.run(*uargs, **ukwargs)
+        if target is not None and target.type == "cpu":
+            # leaves the GPU: a plain CPU tensor. aten.to itself arrives here inside another subclass's
+            # dispatch (DTensor's RNG tracker moves its state to the host), and would return its host input
+            return out.clone() if out is uargs[0] else out
+    elif kind == _DROPOUT:
+        out = rng.native_dropout(*uargs, out_gpu)
+    elif kind == _DROPOUT_BACKWARD:
+        out = _native_dropout_backward(*uargs, **ukwargs)
+    elif kind == _COLLECTIVE:
+        out = functional_collective(func, uargs, ukwargs, out_gpu)
+    else:  # _RANDOM
+        out = rng.call_random(func, tuple(uargs), ukwargs, out_gpu)
+    return _wrap(out, out_gpu, inputs, plan, args)
+
+
+_CPU = torch.device("cpu")
+
+
+def _synchronizes(func, args, kwargs) -> bool:
+    """Whether this call waits for the GPU on a GPU build (a value, a size or the data handed to the host)."""
+    if func in _SYNCING:
+        return func is not _aten.repeat_interleave.Tensor or not (kwargs or {}).get("output_size")
+    non_blocking = (kwargs or {}).get("non_blocking", False)
+    if func in _LEAVING_OPS:  # to the host, unless non_blocking
+        target = args[1] if func is _aten.to.device else (kwargs or {}).get("device")
+        return target is not None and target.type == "cpu" and not non_blocking
+    if func is _aten.copy_.default:  # into a host tensor
+        return not isinstance(args[0], MirageTensor) and not (args[2] if len(args) > 2 else non_blocking)
+    if func is _aten.index.Tensor:  # a boolean mask's size is the number of its True elements
+        return any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1])
+    return False
+
+
+def _unwrap(items, inputs: list, cpus: list) -> list:
+    """``items`` with every wrapper replaced by its CPU tensor; wrappers go to ``inputs``, CPU tensors to ``cpus``."""
+    out = []
+    for a in items:
+        if isinstance(a, MirageTensor):
+            inputs.append(a)
+            a = a._elem
+        elif isinstance(a, torch.Tensor):
+            if a.dim() > 0:  # a 0-dim CPU tensor is a scalar, which any op takes alongside cuda ones
+                cpus.append(a)
+        elif isinstance(a, (list, tuple)) and not isinstance(a, torch.Size):
+            a = type(a)(_unwrap(a, inputs, cpus))
+        elif isinstance(a, torch.device) and a.type == BACKEND:
+            a = _CPU
+        out.append(a)
+    return out
+
+
+def _wrap(out, gpu: int, inputs: list, plan: _Plan, args):
+    """Wrap an op's result (a tensor, or lists and tuples of them) on GPU ``gpu``."""
+    src = None
+    if plan.view and args and isinstance(args[0], MirageTensor):
+        src = args[0]._src
+        if src is None:  # the wrapper that holds the storage, so views never form a chain
+            src = args[0]
+    if isinstance(out, torch.Tensor):
+        return _wrap_one(out, gpu, {id(w._elem): w for w in inputs}, src)
+    if isinstance(out, (list, tuple)):
+        return _wrap_all(out, gpu, {id(w._elem): w for w in inputs}, src)
+    return out
+
+
+def _wrap_all(out, gpu: int, inputs: dict, src):
+    return type(out)([
+        _wrap_one(o, gpu, inputs, src) if isinstance(o, torch.Tensor)
+        else _wrap_all(o, gpu, inputs, src) if isinstance(o, (list, tuple))
+        else o
+        for o in out
+    ])
+
+
+def _wrap_one(o: torch.Tensor, gpu: int, inputs: dict, src) -> torch.Tensor:
+    """Wrap ``o``; ``inputs`` maps the id of each argument's CPU tensor to its wrapper."""
+    if isinstance(o, MirageTensor):
+        return o
+    w = inputs.get(id(o))
+    if w is not None:  # in-place and out= ops return their argument: hand back the same wrapper
+        return _same_wrapper(w, o, gpu)
+    if o.is_conj() or o.is_neg():
+        # The wrapper cannot carry the conjugate/negative bits of a lazy view (conj(),
+        # _neg_view()), and kernels run on the CPU tensor would not see them: materialize
+        # the view (it stops aliasing its base, as resolve_conj() does).
+        return _new(o.resolve_conj().resolve_neg(), gpu, None)
+    return _new(o, gpu, src)
+
+
+def _same_wrapper(w: MirageTensor, o: torch.Tensor, gpu: int) -> MirageTensor:
+    """The wrapper ``w`` of ``o``, which an in-place or out= op returned, with ``o``'s geometry."""
+    if w.shape != o.shape or w.stride() != o.stride() or w.storage_offset() != o.storage_offset():
+        # resize_, out= of another shape and in-place view ops (t_, squeeze_, as_strided_) changed
+        # the CPU tensor's geometry; the wrapper keeps its own. Copy the new geometry onto the same
+        # Python object (set_data), since callers, and C++ composites such as arange that return
+        # their own out tensor, keep their reference to it.
+        w.data = _new(o, gpu, None)
+        ALLOCATOR.moved(w)  # a resize may have re-allocated the storage: the GPU's books follow
+    return w
+
+
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+_STRIDED = torch.strided
+#: the C++ wrapper factory (shim/tensor/fast_dispatch.py): the wrapper _make_wrapper_subclass makes of a plain
+#: strided tensor, ``_elem`` set, without parsing a dozen keyword arguments per op; None where not built
+_new_wrapper = None
+
+
+def use_wrapper_factory(factory) -> None:
+    """Make wrappers with ``factory(elem)`` (shim/tensor/fast_dispatch.py's, in C++), not ``_make_wrapper_subclass``."""
+    global _new_wrapper
+    _new_wrapper = factory
+
+
+def _new(elem: torch.Tensor, gpu: int, src: MirageTensor | None) -> MirageTensor:
+    """A wrapper of ``elem`` on GPU ``gpu``: counted through ``src`` (a view of its storage), else on its own."""
+    if _new_wrapper is not None and type(elem) is torch.Tensor and elem.layout is _STRIDED:
+        r = _new_wrapper(elem)  # (subclasses, e.g. a collective's AsyncCollectiveTensor, go the general way)
+    else:
+        offset = elem.storage_offset()
+        if offset or elem.layout is not _STRIDED:
+            r = _make_wrapper(MirageTensor, elem.size(), strides=elem.stride(), storage_offset=offset,
+                              dtype=elem.dtype, layout=elem.layout, device=BACKEND_DEVICE)
+        else:
+            # most outputs: the defaults (offset 0, strided) left out, as each keyword costs its parsing
+            r = _make_wrapper(MirageTensor, elem.size(), strides=elem.stride(), dtype=elem.dtype,
+                              device=BACKEND_DEVICE)
+        r._elem = elem
+    r._gpu = gpu
+    if type(elem) is not torch.Tensor and traced(elem):
+        return r  # no memory of its own: what the compiled code allocates is counted once wrapped
+    if src is None:
+        r._mem = ALLOCATOR.hold(elem, gpu)
+    else:
+        r._src = src
+    return r
+
+
+class _Describing(threading.local):
+    on = False  # while this thread's torch describes a tensor it makes a fake copy of (see untyped_storage)
+
+
+_describing = _Describing()
+_describe_tensor = meta_utils.MetaTensorDescriber.describe_tensor
+
+
+def _describe_wrapper_storage(self, t, *, recurse=True, trace=False):
+    """``MetaTensorDescriber.describe_tensor``, with a wrapper's own storage: its data's storage is the inner
+    tensor's, which the fake copy describes (the same storage twice reads as aliasing, which fails)."""
+    prev, _describing.on = _describing.on, True
+    try:
+        return _describe_tensor(self, t, recurse=recurse, trace=trace)
+    finally:
+        _describing.on = prev
+
+
+def _tracing(args) -> bool:
+    """Whether the first emulated tensor among ``args`` holds a tracer's stand-in (see :func:`traced`)."""
+    for a in args:
+        if isinstance(a, MirageTensor):
+            return type(a._elem) is not torch.Tensor and traced(a._elem)
+    return False
+
+
+def traced(elem: torch.Tensor) -> bool:
+    """Whether ``elem`` is a tracer's stand-in (fake, functional) rather than data: dynamo or AOTAutograd runs."""
+    return isinstance(elem, FunctionalTensor) or is_fake(elem)
+
+
+def _native_dropout_backward(grad_output: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """``aten.native_dropout_backward``: the CPU kernel's ``grad_output * mask * scale``, less one temporary."""
+    return grad_output.mul(mask).mul_(scale)
+
+
+def _empty_memory_format(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    if not dev.STATE.initialized:
+        dev.initialize()  # every cuda tensor made from scratch starts in one of these two factories
+    gpu = dev.allocation_device()
+    ALLOCATOR.check(gpu, math.prod(size) * _itemsize(dtype))  # before the host allocates it
+    elem = torch.empty(size, dtype=dtype, layout=layout, memory_format=memory_format)
+    return MirageTensor(elem, gpu)
+
+
+def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
+    if not dev.STATE.initialized:
+        dev.initialize()
+    gpu = dev.allocation_device()
+    if all(n > 0 for n in size):
+        extent = 1 + sum((n - 1) * st for n, st in zip(size, stride))
+        ALLOCATOR.check(gpu, extent * _itemsize(dtype))
+    elem = torch.empty_strided(size, stride, dtype=dtype, layout=layout)
+    return MirageTensor(elem, gpu)
+
+
+def _itemsize(dtype) -> int:
+    return (dtype or torch.get_default_dtype()).itemsize
+
+
+def _copy_from(src, dst, non_blocking=False):
+    # reached below the Python key: torch.tensor(data, device=...) excludes it while copying
+    dst._elem.copy_(src._elem if isinstance(src, MirageTensor) else src)
+    return dst
+
+
+def _efficient_zero_tensor(size, dtype=None, layout=None, device=None, pin_memory=None):
+    # autograd's all-zero gradients (sgn's backward, forward-mode formulas): ordinary zeros
+    # stand in for the ZeroTensor, which has no kernels for the backend
+    return MirageTensor(torch.zeros(size, dtype=dtype, layout=layout), dev.allocation_device())
+
+
+def _on_cuda_key(factory):
+    """``factory`` for the CUDA dispatch key, which ``device="cuda:i"`` reaches when the mode is not there.
+
+    The mode is per thread; threads it does not follow (the autograd engine's
+    device thread, for a backward not started from Python, see shim/cuda/engine.py;
+    user threads) reach C++ with the cuda device itself. The device's index
+    names the emulated GPU.
+    """
+
+    def run(*args, device=None, **kwargs):
+        gpu = dev.STATE.current if device is None or device.index is None else dev.check_index(device.index)
+        with dev.allocating_on(gpu):
+            return factory(*args, device=device, **kwargs)
+
+    return run
+
+
+def register_foreach() -> None:
+    """Let optimizers and ``clip_grad_norm_`` pick the foreach kernels for ``cuda:i`` tensors.
+
+    On a GPU build their default is ``foreach=True`` for CUDA tensors, but torch
+    grants it only to the exact types ``torch.Tensor``/``Parameter``, so the
+    wrapper would fall back to the per-parameter loop: a dozen ops per parameter
+    through ``__torch_dispatch__`` instead of a dozen in all (about 1 ms of a
+    transformer block's AdamW step; bench/dispatch_overhead.py).
+    """
+    from torch.optim import optimizer
+    from torch.utils import _foreach_utils
+
+    for supported in (optimizer._foreach_supported_types, _foreach_utils._foreach_supported_types):
+        if MirageTensor not in supported:
+            supported.append(MirageTensor)
+
+
+_lib: torch.library.Library | None = None
+
+
+def register_factories() -> None:
+    """Let C++ allocate on the backend device with no Python tensor in hand (DDP does)."""
+    global _lib
+    meta_utils.MetaTensorDescriber.describe_tensor = _describe_wrapper_storage
+    _lib = torch.library.Library("aten", "IMPL")
+    _lib.impl("empty.memory_format", _empty_memory_format, "PrivateUse1")
+    _lib.impl("empty_strided", _empty_strided, "PrivateUse1")
+    _lib.impl("_copy_from", _copy_from, "PrivateUse1")
+    _lib.impl("_efficientzerotensor", _efficient_zero_tensor, "PrivateUse1")
+    _lib.impl("empty.memory_format", _on_cuda_key(_empty_memory_format), "CUDA")
+    _lib.impl("empty_strided", _on_cuda_key(_empty_strided), "CUDA")
