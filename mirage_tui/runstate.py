@@ -9,6 +9,9 @@ process or draws: feed it events with :meth:`RunState.apply`, read its fields
 and tables. Each reader folds into its own instance on its own thread (the
 session on its dispatcher, the console on its UI thread). What clocked mode derives
 from its steps (figures, prediction, timeline) is computed in :mod:`mirage_tui.runstate_clocked`.
+
+Up to 650 lines on purpose: the fold is one table of small handlers, one per
+event, over the one state they share; what clocked mode derives lives beside it.
 """
 
 from __future__ import annotations

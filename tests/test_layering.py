@@ -14,7 +14,9 @@ list with the package's files.
 
 from __future__ import annotations
 
+import ast
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -53,3 +55,34 @@ def test_every_console_module_outside_the_app_is_forbidden_textual():
     modules = {f"mirage_tui.{p.stem}" for p in (ROOT / "mirage_tui").glob("*.py")} - _MAY_IMPORT_TEXTUAL
     assert modules - listed == set(), "add them to the forbidden contract in pyproject.toml"
     assert listed - modules == set(), "modules the contract names that are gone"
+
+
+#: A module longer than this says why at its top ("Up to N lines on purpose: <why>") and stays under its N.
+MODULE_LINES = 500
+_STATED_LIMIT = re.compile(r"^Up to (\d+) lines on purpose: \S", re.M)
+
+
+def _module_limits() -> dict[str, tuple[int, int | None]]:
+    """Every module of the four packages: (its lines, the limit its docstring states or None)."""
+    found = {}
+    for package in ("wire", "emulator", "shim", "mirage_tui"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            text = path.read_text()
+            doc = ast.get_docstring(ast.parse(text)) or ""
+            stated = _STATED_LIMIT.search(doc)
+            found[str(path.relative_to(ROOT))] = (text.count("\n"), int(stated.group(1)) if stated else None)
+    return found
+
+
+def test_a_long_module_says_why_and_stays_within_its_limit():
+    over = {name: (lines, limit) for name, (lines, limit) in _module_limits().items()
+            if lines > (limit if limit is not None else MODULE_LINES)}
+    assert over == {}, (f"modules past their limit (lines, stated limit): {over}; split them, or say at the top "
+                        f"'Up to N lines on purpose: <why>' (the default limit is {MODULE_LINES} lines)")
+
+
+def test_a_stated_limit_is_a_reason_not_a_licence():
+    # a limit far above what the module needs would let it grow unnoticed
+    loose = {name: (lines, limit) for name, (lines, limit) in _module_limits().items()
+             if limit is not None and (limit <= MODULE_LINES or limit > lines + 150)}
+    assert loose == {}, f"stated limits that are not needed, or more than 150 lines above the module: {loose}"

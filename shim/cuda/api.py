@@ -4,7 +4,7 @@ A CPU build's ``torch.cuda`` functions raise "Torch not compiled with CUDA
 enabled"; here they are replaced, in place on the real modules, so code that
 imported ``torch.cuda`` before or after activation sees the same answers.
 
-Past 600 lines on purpose: it is the one map of the surface :func:`install`
+Up to 700 lines on purpose: it is the one map of the surface :func:`install`
 patches (devices, streams, events, memory queries, the smi, roctx ranges), each
 entry a small adapter to the profile or the clock; the heavier parts already live
 elsewhere (:mod:`shim.memory.allocator`, :mod:`shim.clock.clock`).

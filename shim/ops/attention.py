@@ -12,17 +12,16 @@ kernels below compute those ops on the reference CPU path.
 The other ops a GPU build has only CUDA kernels for and torch can compute on
 the CPU (the raw flash/memory-efficient/cuDNN attention kernels that varlen
 attention calls, the fused LSTM/GRU cells, the ``out_dtype`` matmuls) get CPU
-kernels here (:data:`CPU_ONLY_ON_GPU`), and higher-order ops (flex attention,
-``torch.cond``...) a rule for the emulated tensors (:func:`install`).
+kernels (:data:`CPU_ONLY_ON_GPU`, the non-attention ones in :mod:`shim.ops.cpu_only`), and
+higher-order ops (flex attention, ``torch.cond``...) a rule for the emulated tensors
+(:mod:`shim.ops.higher_order`).
 """
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
-from shim.import_hooks import after_import
+from shim.ops import cpu_only, higher_order
 
 _aten = torch.ops.aten
 _MAX_FLASH_HEAD_DIM = 256
@@ -361,74 +360,9 @@ CPU_KERNELS = {
 }
 
 
-def _mm_dtype(op: str, compute):
-    """A ``*.dtype`` matmul (``out_dtype=``): as CUDA, float16/bfloat16 inputs give a float32 result
-    accumulated in float32 (which their products are exact in), or the inputs' own dtype."""
-    def kernel(*args, **kwargs):
-        *tensors, out_dtype = args  # out_dtype is the last positional argument
-        if out_dtype != tensors[-1].dtype and not (
-            out_dtype == torch.float32 and tensors[-1].dtype in (torch.float16, torch.bfloat16)
-        ):
-            raise RuntimeError(f"{op}: out_dtype must be the same as input dtype or fp32 for fp16/bf16 inputs")
-        return compute(*(t.to(out_dtype) for t in tensors), **kwargs)
-    return kernel
-
-
-def fused_lstm_cell(input_gates, hidden_gates, cx, input_bias=None, hidden_bias=None):
-    """``aten::_thnn_fused_lstm_cell``, which ``nn.LSTM``/``LSTMCell`` call for backend tensors: (hy, cy,
-    workspace), the workspace holding the activated gates (i, f, g, o) as the CUDA kernel's does."""
-    gates = input_gates + hidden_gates
-    if input_bias is not None:
-        gates = gates + input_bias + hidden_bias
-    i, f, g, o = gates.chunk(4, 1)
-    i, f, g, o = i.sigmoid(), f.sigmoid(), g.tanh(), o.sigmoid()
-    cy = f * cx + i * g
-    return o * cy.tanh(), cy, torch.cat((i, f, g, o), 1)
-
-
-def fused_lstm_cell_backward(grad_hy, grad_cy, cx, cy, workspace, has_bias):
-    """``aten::_thnn_fused_lstm_cell_backward_impl``: (grad of the gates, of cx, of the bias)."""
-    i, f, g, o = workspace.chunk(4, 1)
-    tanh_cy = cy.tanh()
-    grad_c = torch.zeros_like(cy) if grad_cy is None else grad_cy.clone()
-    grad_o = torch.zeros_like(cy)
-    if grad_hy is not None:
-        grad_c += grad_hy * o * (1 - tanh_cy * tanh_cy)
-        grad_o = grad_hy * tanh_cy
-    grad_gates = torch.cat((grad_c * g * i * (1 - i), grad_c * cx * f * (1 - f), grad_c * i * (1 - g * g),
-                            grad_o * o * (1 - o)), 1)
-    grad_bias = grad_gates.sum(0) if has_bias else grad_gates.new_empty(0)
-    return grad_gates, grad_c * f, grad_bias
-
-
-def fused_gru_cell(input_gates, hidden_gates, hx, input_bias=None, hidden_bias=None):
-    """``aten::_thnn_fused_gru_cell``, which ``nn.GRU``/``GRUCell`` call for backend tensors: (hy, workspace),
-    the workspace holding r, z, n, hx and the hidden part of n, as the CUDA kernel's does."""
-    if input_bias is not None:
-        input_gates, hidden_gates = input_gates + input_bias, hidden_gates + hidden_bias
-    ir, iz, in_ = input_gates.chunk(3, 1)
-    hr, hz, hn = hidden_gates.chunk(3, 1)
-    r, z = (ir + hr).sigmoid(), (iz + hz).sigmoid()
-    n = (in_ + r * hn).tanh()
-    return (1 - z) * n + z * hx, torch.cat((r, z, n, hx, hn), 1)
-
-
-def fused_gru_cell_backward(grad_hy, workspace, has_bias):
-    """``aten::_thnn_fused_gru_cell_backward``: grads of the input gates, hidden gates, hx and both biases."""
-    r, z, n, hx, hn = workspace.chunk(5, 1)
-    grad_n = grad_hy * (1 - z) * (1 - n * n)
-    grad_z = grad_hy * (hx - n) * z * (1 - z)
-    grad_r = grad_n * hn * r * (1 - r)
-    grad_input = torch.cat((grad_r, grad_z, grad_n), 1)
-    grad_hidden = torch.cat((grad_r, grad_z, grad_n * r), 1)
-    if not has_bias:
-        empty = grad_input.new_empty(0)
-        return grad_input, grad_hidden, grad_hy * z, empty, empty
-    return grad_input, grad_hidden, grad_hy * z, grad_input.sum(0), grad_hidden.sum(0)
-
-
 #: CUDA-only ops computed here when they reach the CPU (the wrappers' CPU tensors); name -> kernel
 CPU_ONLY_ON_GPU = {
+    **cpu_only.KERNELS,
     "_flash_attention_forward": flash_attention_forward,
     "_flash_attention_forward_no_dropout_inplace": flash_attention_forward_inplace,
     "_flash_attention_backward": flash_attention_backward,
@@ -436,47 +370,25 @@ CPU_ONLY_ON_GPU = {
     "_efficient_attention_backward": efficient_attention_backward,
     "_scaled_dot_product_cudnn_attention": cudnn_attention_forward,
     "_scaled_dot_product_cudnn_attention_backward": cudnn_attention_backward,
-    "_thnn_fused_lstm_cell": fused_lstm_cell,
-    "_thnn_fused_lstm_cell_backward_impl": fused_lstm_cell_backward,
-    "_thnn_fused_gru_cell": fused_gru_cell,
-    "_thnn_fused_gru_cell_backward": fused_gru_cell_backward,
-    "mm.dtype": _mm_dtype("mm", torch.mm),
-    "bmm.dtype": _mm_dtype("bmm", torch.bmm),
-    "addmm.dtype": _mm_dtype("addmm", torch.addmm),
-    "baddbmm.dtype": _mm_dtype("baddbmm", torch.baddbmm),
 }
 
 _libs: list[torch.library.Library] = []
 
 
 def install(tensor_type: type) -> None:
-    """Register :data:`CPU_ONLY_ON_GPU` as CPU kernels, and let higher-order ops take ``tensor_type``.
+    """Register :data:`CPU_ONLY_ON_GPU` as CPU kernels, SDPA's choice for the backend, and let higher-order
+    ops take ``tensor_type`` (:func:`shim.ops.higher_order.install`).
 
     The ops have only CUDA kernels in a GPU build, so on a CPU tensor of a GPU build they would raise
     too; here they are reached with the wrappers' CPU tensors (through ``__torch_dispatch__``, and
-    inside custom ops such as varlen attention's, whose bodies run on them). A higher-order op
-    (flex attention, ``torch.cond``, ``while_loop``...) reaching a tensor subclass needs a rule for
-    it ("There was no rule registered for HOP flex_attention and subclass ..."): its dense one,
-    torch's own eager path, each op of it dispatched on the wrappers. Flex attention also gets its
-    autocast rule for the backend's autocast key.
+    inside custom ops such as varlen attention's, whose bodies run on them).
     """
-    from torch._C import DispatchKey
-    from torch._higher_order_ops.flex_attention import flex_attention
-
     lib = torch.library.Library("aten", "IMPL")
     _libs.append(lib)
     for name, kernel in CPU_ONLY_ON_GPU.items():
         if not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", "CPU"):
             lib.impl(name, kernel, "CPU")
-    for hop in torch._ops._higher_order_ops.values():  # flex attention's, torch.cond, while_loop, scan, ...
-        dense = hop.py_kernels.get(DispatchKey.CompositeExplicitAutograd)
-        if dense is not None and tensor_type not in hop.python_key_table:
-            hop.py_impl(tensor_type)(dense)
-    if DispatchKey.AutocastPrivateUse1 not in flex_attention.py_kernels:
-        flex_attention.py_impl(DispatchKey.AutocastPrivateUse1)(_flex_attention_autocast)
-    after_import("torch.nn.attention.flex_attention", _flex_attention_eager)
-    hop_utils = sys.modules["torch._higher_order_ops.utils"]
-    hop_utils._hop_compile_and_call = _hop_call_on(tensor_type, hop_utils._hop_compile_and_call)
+    higher_order.install(tensor_type)
     # SDPA's choice at the dispatcher too, not only in shim/cuda/mode.py's TorchFunctionMode: the mode is
     # off inside backward() (activation checkpointing recomputes there) and in threads it never
     # entered, and a recomputation must pick the kernel the forward picked
@@ -494,71 +406,3 @@ def _sdpa_routed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
     return _aten._scaled_dot_product_attention_math(
         query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
     )[0]
-
-
-def _flex_attention_eager() -> None:
-    """``flex_attention`` as a function of this module, which dynamo skips (shim/compile/torch_compile.py).
-
-    Dynamo cannot trace the flex attention op over emulated tensors yet (its autograd
-    rule takes only plain fake tensors). So under ``torch.compile`` a call to it is a
-    graph break, as ``TORCH_LOGS=graph_breaks`` says, and it runs eagerly, its unfused
-    implementation, which itself compiles its call of the op (``backend="eager"``, to
-    trace the score and mask functions): the op is called as it is there, no frame
-    under it compiled. Replaced as the module is imported, before a program takes the
-    name from it.
-    """
-    module = sys.modules["torch.nn.attention.flex_attention"]
-    dense = module.flex_attention
-
-    def flex_attention(*args, **kwargs):
-        compile_ = torch.compile
-        torch.compile = _not_compiled
-        try:
-            return _no_frame_compiled(dense, args, kwargs)
-        finally:
-            torch.compile = compile_
-
-    flex_attention.__doc__, flex_attention.__qualname__ = dense.__doc__, dense.__qualname__
-    module.flex_attention = flex_attention
-
-
-def _hop_call_on(tensor_type, compile_and_call):
-    """``_hop_compile_and_call``: how ``torch.cond``, ``map``, ``scan``... run eagerly: torch compiles the op's
-    call (``backend="eager"``, ``fullgraph``) to trace its functions; over emulated tensors dynamo cannot
-    (the op's rule for them is its dense one, which branches on their values), so the op is called as it is,
-    no frame under it compiled."""
-    from torch.utils._pytree import tree_leaves
-
-    def call(fn, args, kwargs=None):
-        if not any(isinstance(a, tensor_type) for a in tree_leaves((args, kwargs))):
-            return compile_and_call(fn, args, kwargs)
-        return _no_frame_compiled(fn, args, kwargs or {})
-
-    return call
-
-
-def _no_frame_compiled(fn, args, kwargs):
-    """``fn(*args, **kwargs)`` with dynamo's frame callback off, as under ``torch.compiler.disable``."""
-    from torch._C._dynamo.eval_frame import set_eval_frame
-
-    prior = set_eval_frame(None)
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        set_eval_frame(prior)
-
-
-def _not_compiled(fn, **_options):
-    """``torch.compile`` inside flex attention's unfused path: the function itself."""
-    return fn
-
-
-def _flex_attention_autocast(query, key, value, *args):
-    """flex attention under cuda autocast, as its AutocastCUDA rule: query, key and value in the autocast dtype."""
-    from torch._higher_order_ops.flex_attention import flex_attention
-
-    from shim.device.autocast import cast_lower, excluded
-
-    query, key, value = cast_lower((query, key, value))
-    with excluded():
-        return flex_attention(query, key, value, *args)

@@ -6,6 +6,10 @@ autograd engine indexes its ready queues by device index. The emulated GPU
 index lives on the wrapper (``_gpu``), and Python sees ``device`` as
 ``cuda:<_gpu>``. Every aten op on a wrapper reaches ``__torch_dispatch__``,
 which runs it on the CPU tensors inside and wraps the results again.
+
+Up to 650 lines on purpose: the class and its ``__torch_dispatch__`` are the hot
+path of every op, read together; the parts that stand alone live beside it
+(:mod:`shim.tensor.fast_dispatch`, :mod:`shim.ops.attention`, :mod:`shim.device.rng`).
 """
 
 from __future__ import annotations
