@@ -4,20 +4,26 @@ The head's session binds one ZeroMQ ROUTER on TCP (CURVE: the agents know its
 public key, so no other process can pose as the head and have them start
 programs); each host's agent (:mod:`mirage_tui.node_agent`) connects a DEALER.
 The agent's first message, :class:`AgentHello`, carries the session token; the
-session ignores a connection until it has presented it. Messages are JSON
-objects with a ``type``; output lines travel in the daemon's own event encoding
-(:func:`wire.schema.encode`), so the session records them as it does its own.
+session ignores a connection until it has presented it. The messages are the
+wire format's (:class:`wire.messages.Message` subclasses, encoded and checked by
+:mod:`wire.codec` as the daemon's are) in a catalogue of their own,
+:data:`AGENT_TYPES`, so that neither the daemon nor an agent takes the other's;
+output lines travel in the daemon's own event encoding, so the session records
+them as it does its own.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar
 
-#: every message class by its ``type``
-TYPES: dict[str, type[AgentMessage]] = {}
+from wire import schema as s
+
+#: every agent message class by its ``type``
+AGENT_TYPES: dict[str, type[AgentMessage]] = {}
+#: The largest message either side takes (a part of a trace file, a batch of output lines): the head's
+#: ZeroMQ socket drops bigger ones (``zmq.MAXMSGSIZE``, set from this in ``mirage_tui.hosts``).
+MAX_AGENT_MESSAGE_BYTES = 64 << 20
 #: The head sends a Heartbeat this often, and each agent too.
 HEARTBEAT_S = 0.5
 #: A peer silent this long is gone: the agent stops its programs, the session ends the run naming the host.
@@ -29,18 +35,11 @@ HOST_TAG = "MIRAGE_AGENT_HOST"
 SLURM_INDEX = "MIRAGE_SLURM_NODE"
 
 
-class ProtocolError(ValueError):
-    """A message that is not one of this module's, or whose fields have the wrong types."""
-
-
 @dataclass(frozen=True)
-class AgentMessage:
-    TYPE: ClassVar[str] = ""
+class AgentMessage(s.Message):
+    """Base of the agents' messages: registered in :data:`AGENT_TYPES`, not the daemon's catalogue."""
 
-    def __init_subclass__(cls, **kw):
-        super().__init_subclass__(**kw)
-        if cls.__dict__.get("TYPE"):
-            TYPES[cls.TYPE] = cls
+    CATALOGUE: ClassVar[dict[str, type[s.Message]]] = AGENT_TYPES
 
 
 # ---------------------------------------------------------------- agent -> session
@@ -189,58 +188,10 @@ class Heartbeat(AgentMessage):
 
 
 def encode(msg: AgentMessage) -> bytes:
-    """``msg`` as one JSON frame."""
-    return json.dumps({"type": msg.TYPE, **dataclasses.asdict(msg)}, separators=(",", ":")).encode()
+    """``msg`` as one JSON frame, as the wire codec writes every message."""
+    return s.encode(msg)
 
 
 def decode(data: bytes) -> AgentMessage:
-    """The message in ``data``; raise :class:`ProtocolError` if it is not a well-formed one."""
-    try:
-        obj = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ProtocolError(f"not JSON: {e}") from None
-    if not isinstance(obj, dict) or obj.get("type") not in TYPES:
-        raise ProtocolError("not an agent message")
-    cls = TYPES[obj.pop("type")]
-    names = {f.name: f for f in dataclasses.fields(cls)}
-    if set(obj) - set(names):
-        raise ProtocolError(f"unknown fields {sorted(set(obj) - set(names))} in {cls.TYPE!r}")
-    if cls is Launch and "processes" in obj:
-        obj["processes"] = [_process(p) for p in _typed(obj["processes"], list, "processes")]
-    for name, value in obj.items():
-        _check(cls.TYPE, name, value, names[name].type)
-    return cls(**obj)
-
-
-def _process(p: Any) -> Process:
-    p = _typed(p, dict, "process")
-    rank = p.get("rank")
-    if not isinstance(p.get("node"), int) or not (rank is None or isinstance(rank, int)):
-        raise ProtocolError("a process needs an int node and an int or null rank")
-    env = _typed(p.get("env"), dict, "env")
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
-        raise ProtocolError("env must map strings to strings")
-    return Process(p["node"], rank, env)
-
-
-def _typed(value: Any, kind: type, what: str):
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
-        raise ProtocolError(f"{what} must be a {kind.__name__}")
-    return value
-
-
-def _check(kind: str, name: str, value: Any, annotation: str) -> None:
-    """Check a field's JSON value against its annotation (the few shapes used above)."""
-    base = annotation.split("[", 1)[0]
-    expected = {"str": str, "int": int, "bool": bool, "list": list, "dict": dict}.get(base)
-    if expected is not None:
-        _typed(value, expected, f"{kind}.{name}")
-    if annotation == "list[str]" and not all(isinstance(v, str) for v in value):
-        raise ProtocolError(f"{kind}.{name} must be a list of strings")
-    if annotation.startswith("dict[str, ") and not all(isinstance(k, str) for k in value):
-        raise ProtocolError(f"{kind}.{name} must have string keys")
-    if annotation == "dict[str, int]" and not all(isinstance(v, int) for v in value.values()):
-        raise ProtocolError(f"{kind}.{name} must map to ints")
-    if annotation == "dict[str, list[str]]" and not all(
-            isinstance(v, list) and all(isinstance(x, str) for x in v) for v in value.values()):
-        raise ProtocolError(f"{kind}.{name} must map to lists of strings")
+    """The agent message in ``data``; raise :class:`wire.messages.SchemaError` if it is not a well-formed one."""
+    return s.decode(data, AGENT_TYPES, MAX_AGENT_MESSAGE_BYTES)

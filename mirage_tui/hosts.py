@@ -108,7 +108,7 @@ class Hosts:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, ap.MAX_AGENT_MESSAGE_BYTES)
         self.public_key = zmq.curve_public(secret_key)  # the agents' MIRAGE_SERVER_KEY
         self.sock.curve_secretkey = secret_key
         self.sock.curve_publickey = self.public_key
@@ -235,7 +235,7 @@ class Hosts:
                 continue
             try:
                 msg = ap.decode(data)
-            except ap.ProtocolError:
+            except s.SchemaError:
                 self.ignored += 1
                 continue
             agent = self.agents.get(identity)

@@ -150,7 +150,7 @@ class Agent:
             self.heard = time.monotonic()
             try:
                 msg = ap.decode(data)
-            except ap.ProtocolError as e:
+            except s.SchemaError as e:
                 print(f"mirage node {self.host}: ignored a malformed message: {e}", file=sys.stderr, flush=True)
                 continue
             if isinstance(msg, ap.Done):

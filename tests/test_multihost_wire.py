@@ -224,15 +224,21 @@ def test_a_silent_agent_is_a_lost_host(bus):
 
 
 @pytest.mark.parametrize("data", [
-    b"[]", b'{"type": "launch", "processes": [{"node": "0", "rank": null, "env": {}}]}',
-    b'{"type": "launch", "processes": [{"node": 0, "rank": null, "env": {"A": 1}}]}',
-    b'{"type": "kill", "index": "all"}', b'{"type": "kill", "index": true}',
-    b'{"type": "dump_stacks", "ranks": {"0": "pid"}}', b'{"type": "hello", "extra": 1}',
-    b'{"type": "nope"}', b'{"type": "trace", "name": "rank-0.json", "last": 1}',
+    b"[]", b'{"v": 1, "type": "launch", "processes": [{"node": "0", "rank": null, "env": {}}]}',
+    b'{"v": 1, "type": "launch", "processes": [{"node": 0, "rank": null, "env": {"A": 1}}]}',
+    b'{"v": 1, "type": "launch", "processes": [{"node": 0, "env": {}}]}',
+    b'{"v": 1, "type": "kill", "index": "all"}', b'{"v": 1, "type": "kill", "index": true}',
+    b'{"v": 1, "type": "dump_stacks", "ranks": {"0": "pid"}}', b'{"v": 1, "type": "nope"}', b'{"v": 1, "type": "trace", "name": "rank-0.json", "last": 1}',
+    b'{"type": "done"}', b'{"v": 1, "type": "ping"}',  # no version; the daemon's message, not an agent's
 ])
 def test_malformed_agent_messages_are_refused(data):
-    with pytest.raises(ap.ProtocolError):
+    with pytest.raises(s.SchemaError):
         ap.decode(data)
+
+
+def test_the_daemon_takes_no_agent_message():
+    with pytest.raises(s.SchemaError, match="unknown message type 'launch'"):
+        s.decode(ap.encode(ap.Launch(command=["sh"])))
 
 
 def test_agent_messages_round_trip():

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import types
 import typing
 from collections.abc import Iterator
 from enum import Enum
@@ -25,7 +26,14 @@ from wire.messages import MAX_MESSAGE_BYTES, MESSAGE_TYPES, VERSION, Event, Mess
 
 #: Built once: ``json.dumps``/``json.loads`` with options build a new encoder/decoder per call,
 #: which was a fifth of the daemon's time per collective (it encodes and decodes several messages each).
-_ENCODER = json.JSONEncoder(separators=(",", ":"))
+_ENCODER = json.JSONEncoder(separators=(",", ":"), default=lambda value: _as_json(value))
+
+
+def _as_json(value) -> dict:
+    """A dataclass inside a message (e.g. the agents' ``Process``) as the object of its fields."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dict(value.__dict__)
+    raise TypeError(f"{type(value).__name__} is not a JSON value")
 
 
 #: ``_ENCODER``'s C encoder, made once: ``JSONEncoder.encode`` makes a new one on every call, a
@@ -118,6 +126,24 @@ def encode(msg: Message, **fields) -> bytes:
 
 def _checker(name: str, hint: object):
     """A function that validates (and normalises) one field's JSON value; built once per field."""
+    if typing.get_origin(hint) in (types.UnionType, typing.Union):
+        (inner,) = [h for h in typing.get_args(hint) if h is not type(None)]  # ``X | None``, the one union used
+        inner_check = _checker(name, inner)
+        return lambda value: None if value is None else inner_check(value)
+    if typing.get_origin(hint) is dict:
+        key, item = typing.get_args(hint)
+        if key is not str:
+            raise TypeError(f"field {name!r}: JSON object keys are strings, not {key}")
+        each = _checker(f"{name}{{}}", item)
+
+        def check_dict(value):
+            if not isinstance(value, dict):
+                raise SchemaError(f"field {name!r}: expected an object, got {type(value).__name__}")
+            return {k: each(v) for k, v in value.items()}  # (JSON keys are strings already)
+
+        return check_dict
+    if dataclasses.is_dataclass(hint):
+        return _nested_checker(name, hint)
     if typing.get_origin(hint) is list:
         (item,) = typing.get_args(hint)
         each = _checker(f"{name}[]", item)
@@ -158,6 +184,23 @@ def _checker(name: str, hint: object):
         return value
 
     return check_exact
+
+
+def _nested_checker(name: str, cls: type):
+    """A checker building dataclass ``cls`` (not a message: no ``v`` or ``type``) from a JSON object; as for
+    a message, fields it does not have are ignored."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: _checker(f"{name}.{f.name}", hints[f.name]) for f in dataclasses.fields(cls)}
+
+    def check_nested(value):
+        if not isinstance(value, dict):
+            raise SchemaError(f"field {name!r}: expected an object, got {type(value).__name__}")
+        try:
+            return cls(**{k: check(value[k]) for k, check in fields.items() if k in value})
+        except TypeError as e:  # a required field missing
+            raise SchemaError(f"field {name!r}: {e}") from None
+
+    return check_nested
 
 
 _FIELDS: dict[type, list[tuple[str, object]]] = {}
@@ -239,7 +282,7 @@ def _make_decoder(cls: type, plan: list[tuple]) -> typing.Callable[[dict], Messa
         f"    if len(body) != {len(plan) + 2}:\n"
         "        return None\n"
         "    try:\n"
-        + "".join(f"        {line}\n" for line in loads)
+        + "".join(f"        {line}\n" for line in loads or ["pass"])
         + "    except KeyError:\n"
         "        return None\n"
         f"    if not ({' and '.join(checks) or 'True'}):\n"
@@ -256,10 +299,12 @@ def _make_decoder(cls: type, plan: list[tuple]) -> typing.Callable[[dict], Messa
 _DECODERS: dict[type, typing.Callable[[dict], Message | None] | None] = {}
 
 
-def decode(data: bytes | str) -> Message:
-    """Parse one wire message; raise :class:`SchemaError` on anything malformed."""
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise SchemaError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+def decode(data: bytes | str, catalogue: dict[str, type[Message]] = MESSAGE_TYPES,
+           max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
+    """Parse one wire message of ``catalogue`` (the daemon's by default) of at most ``max_bytes``;
+    raise :class:`SchemaError` on anything malformed."""
+    if len(data) > max_bytes:
+        raise SchemaError(f"message of {len(data)} bytes exceeds {max_bytes}")
     try:
         text = data.decode() if isinstance(data, bytes) else data
         try:
@@ -275,16 +320,20 @@ def decode(data: bytes | str) -> Message:
     if type(body.get("v")) is not int or body["v"] != VERSION:
         raise SchemaError(f"unsupported version {body.get('v')!r}, expected {VERSION}")
     kind = body.get("type")
-    cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
+    cls = catalogue.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise SchemaError(f"unknown message type {body.get('type')!r}")
     plan = _PLANS[cls] if cls in _PLANS else _plan(cls)
-    if plan is None:
-        return cls(**{name: check(body[name]) for name, check in _fields(cls) if name in body})
-    fast = _DECODERS[cls] if cls in _DECODERS else _DECODERS.setdefault(cls, _make_decoder(cls, plan))
-    msg = fast(body)
+    fast = None if plan is None else _DECODERS[cls] if cls in _DECODERS else _DECODERS.setdefault(
+        cls, _make_decoder(cls, plan))
+    msg = None if fast is None else fast(body)
     if msg is not None:
         return msg
+    if plan is None:
+        try:
+            return cls(**{name: check(body[name]) for name, check in _fields(cls) if name in body})
+        except TypeError as e:  # a required field missing
+            raise SchemaError(f"{kind!r}: {e}") from None
     # what the dataclass's __init__ would store, in field order (encode relies on it), each value checked
     values = {}
     for name, exact, check, default, factory in plan:

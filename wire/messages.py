@@ -99,14 +99,20 @@ MESSAGE_TYPES: dict[str, type[Message]] = {}
 
 @dataclass(frozen=True)
 class Message:
-    """Base of every message; subclasses set ``TYPE``."""
+    """Base of every message; subclasses set ``TYPE``, and register in their base's ``CATALOGUE``.
+
+    The daemon's messages are :data:`MESSAGE_TYPES`; another protocol on the same codec (the
+    multi-host agents', ``mirage_tui.agent_protocol``) gives its base class a catalogue of its own,
+    so that neither side decodes the other's messages.
+    """
 
     TYPE: ClassVar[str] = ""
+    CATALOGUE: ClassVar[dict[str, type[Message]]] = MESSAGE_TYPES
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
         if cls.__dict__.get("TYPE"):
-            MESSAGE_TYPES[cls.TYPE] = cls
+            cls.CATALOGUE[cls.TYPE] = cls
 
 
 # ---------------------------------------------------------------- requests

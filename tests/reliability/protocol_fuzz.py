@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import random
+import dataclasses
 import typing
 from enum import Enum
 
@@ -40,9 +41,9 @@ _FLOAT_JUNK = [None, True, False, "1.5", "", [], {}, [1.0], {"a": 1.0}, "nan"]
 def _field_types(cls) -> dict[str, str]:
     """``int``, ``float``, ``str``, ``bool``, ``list`` or ``enum`` for each field of a request class."""
     out = {}
-    for name, hint in typing.get_type_hints(cls).items():
-        if name == "TYPE":
-            continue
+    hints = typing.get_type_hints(cls)
+    for name in (f.name for f in dataclasses.fields(cls)):  # the fields, not the class variables
+        hint = hints[name]
         if typing.get_origin(hint) is list:
             out[name] = "list"
         elif isinstance(hint, type) and issubclass(hint, Enum):
