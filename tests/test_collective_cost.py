@@ -131,6 +131,50 @@ def test_faster_links_make_faster_collectives():
     assert mi350.seconds < mi300.seconds
 
 
+def test_rings_across_nodes_use_every_rail_of_the_node():
+    # 2 x 8 MI300X: 8 NICs of ~46 GB/s carry the rings together (368 GB/s), and xGMI, carrying
+    # 7/8 of each GPU's ring traffic, allows 8/7 of one GPU's 7 links (363 GB/s): xGMI binds.
+    est = estimate("all_reduce", 16 * GIB, 16, MI300X, ranks_per_node=8)
+    nic = MI300X.nic_gbps / 8 * NIC_EFFICIENCY
+    xgmi = 7 * MI300X.xgmi_gbps_per_link * XGMI_EFFICIENCY
+    assert est.bus_gbps == pytest.approx(min(MI300X.nics_per_node * nic, xgmi * 8 / 7))
+    # one GPU per node has one rail: the NIC is the bus
+    assert estimate("all_reduce", 16 * GIB, 2, MI300X, ranks_per_node=1).bus_gbps == pytest.approx(nic)
+    # fewer NICs than GPUs: the NICs bind
+    two_nics = dataclasses.replace(MI300X, nics_per_node=2)
+    assert estimate("all_reduce", 16 * GIB, 16, two_nics, 8).bus_gbps == pytest.approx(2 * nic)
+
+
+def test_all_to_all_across_nodes_runs_at_one_nic():
+    est = estimate("all_to_all", 16 * GIB, 16, MI300X, ranks_per_node=8)
+    assert est.bus_gbps == pytest.approx(MI300X.nic_gbps / 8 * NIC_EFFICIENCY)
+
+
+def test_published_tables_are_split_before_fitting():
+    bench = _bench()
+    fit, held = bench.published("fit"), bench.published("heldout")
+    assert fit and held
+    assert {r.table for r in fit}.isdisjoint({r.table for r in held})
+    assert all(r.table.startswith("heldout_") for r in held)
+
+
+def test_held_out_two_node_all_reduce_stays_within_its_recorded_error():
+    # MI350X, 2 x 8, RCCL's current defaults (ROCm/rocm-systems#9406): never fitted to. The issue's
+    # goal is 15 %; the model is +0.6 % at 32 MiB, +15.8 % at 64 MiB (RCCL switches to tree
+    # there), +10.5 % at 128 MiB (docs/clocked.md). A regression past 16 % fails here.
+    rows = [r for r in _bench().published("heldout") if r.reported.endswith("(after)")]
+    assert len(rows) == 3
+    for r in rows:
+        assert abs(r.error) <= 0.16, (r.nbytes, r.error)
+
+
+def test_fit_set_two_node_figures_within_their_recorded_error():
+    # AMD CVS two-node figures (8 and 16 GiB): all within 10 % but broadcast, +16.6 %.
+    for r in _bench().published("fit"):
+        bound = 0.17 if r.collective == "broadcast" else 0.10
+        assert abs(r.error) <= bound, (r.table, r.collective, r.nbytes, r.error)
+
+
 def test_bench_reproduces_published_rccl_tests_within_15_percent():
     bench = _bench()
     rows = bench.compare("mi300x")

@@ -61,7 +61,8 @@ XGMI_EFFICIENCY = 0.71
 
 #: Fraction of the NIC line rate a ring achieves across nodes: meta-pytorch/autoparallel's
 #: fitted H100 + RoCE 400G tables (cost_models/h100_nvswitch_roce_400g.py) put all_gather at
-#: 1 GPU per node, 8-32 nodes, at 46-48 GB/s of 50.
+#: 1 GPU per node, 8-32 nodes, at 46-48 GB/s of 50. AMD's two-node CVS figures for send/recv
+#: (47-48 GB/s over one 400 Gb/s NIC, bench/data/rccl_tests/fit_cvs_2node_expected.csv) agree.
 NIC_EFFICIENCY = 0.92
 
 #: Bus bandwidth of each protocol relative to Simple. LL carries 4 data bytes per 8-byte line,
@@ -99,9 +100,18 @@ XGMI_HOP_US = {
     (Algorithm.RING, Protocol.SIMPLE): 2.1,
 }
 
-#: An inter-node step costs the profile's ``nic_latency_us`` (an LL step) times this factor:
-#: NVIDIA/nccl tuning.cc hwLat[NET][Ring] = {LL 2.7, LL128 4.0, Simple 14.0} µs.
-NET_PROTOCOL_LATENCY_FACTOR = {Protocol.LL: 1.0, Protocol.LL128: 4.0 / 2.7, Protocol.SIMPLE: 14.0 / 2.7}
+#: An inter-node step costs the profile's ``nic_latency_us`` (a ring LL step) times this factor,
+#: per algorithm: NVIDIA/nccl tuning.cc hwLat[NET] = Ring {LL 2.7, LL128 4.0, Simple 14.0},
+#: Tree {LL 5.0, LL128 8.5, Simple 14.0} µs (the same table in RCCL's ncclTunerConstantsDefaults).
+#: A tree step waits for its children before it forwards, so it costs more than a ring's.
+NET_PROTOCOL_LATENCY_FACTOR = {
+    (Algorithm.RING, Protocol.LL): 1.0,
+    (Algorithm.RING, Protocol.LL128): 4.0 / 2.7,
+    (Algorithm.RING, Protocol.SIMPLE): 14.0 / 2.7,
+    (Algorithm.TREE, Protocol.LL): 5.0 / 2.7,
+    (Algorithm.TREE, Protocol.LL128): 8.5 / 2.7,
+    (Algorithm.TREE, Protocol.SIMPLE): 14.0 / 2.7,
+}
 
 #: Host proxy overhead per step once a ring leaves the node (µs); Simple pays it 3 times.
 #: RCCL tuning.cc getNetOverhead(): 2.0 on AMD x86 hosts.
@@ -164,16 +174,31 @@ def _xgmi_gbps(profile: Profile, peers: int) -> float:
 
 
 def _nic_gbps(profile: Profile) -> float:
-    """Achieved NIC bandwidth per GPU, GB/s."""
+    """Achieved bandwidth of one NIC, GB/s."""
     return profile.nic_gbps / 8 * NIC_EFFICIENCY
+
+
+def _rail_ring_gbps(profile: Profile, ppn: int) -> float:
+    """Bus bandwidth of RCCL's rings across nodes on a rail-optimised fabric (one NIC per GPU).
+
+    RCCL builds one ring per channel and starts each at a different NIC (search.cc: NET n ->
+    GPU a -> ... -> GPU x -> NET n), so its channels leave every node through all of the node's
+    NICs at once: the node's NICs together carry the bus bandwidth. Inside the node each GPU sends
+    (ppn-1)/ppn of its ring traffic over xGMI and the rest through its own NIC, so xGMI bounds
+    the bus bandwidth at ppn/(ppn-1) times what one GPU's links carry. The slower bound wins.
+    """
+    rails = min(profile.nics_per_node, ppn) * _nic_gbps(profile)
+    if ppn == 1:
+        return rails
+    return min(rails, _xgmi_gbps(profile, ppn - 1) * ppn / (ppn - 1))
 
 
 def _protocols(profile: Profile) -> list[Protocol]:
     return [p for p in Protocol if p is not Protocol.LL128 or profile.gfx in LL128_GFX]
 
 
-def _net_step_us(profile: Profile, proto: Protocol) -> float:
-    return profile.nic_latency_us * NET_PROTOCOL_LATENCY_FACTOR[proto]
+def _net_step_us(profile: Profile, algo: Algorithm, proto: Protocol) -> float:
+    return profile.nic_latency_us * NET_PROTOCOL_LATENCY_FACTOR[(algo, proto)]
 
 
 def _estimate(
@@ -188,8 +213,7 @@ def _estimate(
 ) -> CollectiveEstimate | None:
     """One (algorithm, protocol) pair's cost, or None where RCCL does not offer it."""
     intra = _xgmi_gbps(profile, ppn - 1) if ppn > 1 else math.inf  # one rank per node: no xGMI leg
-    # A ring across nodes runs at its slowest leg; one NIC per GPU carries one ring each.
-    bus = (intra if nodes == 1 else min(intra, _nic_gbps(profile))) * PROTOCOL_BW_FRACTION[proto]
+    bus = (intra if nodes == 1 else _rail_ring_gbps(profile, ppn)) * PROTOCOL_BW_FRACTION[proto]
     lat_us = BASE_LATENCY_US[proto]
     hop = XGMI_HOP_US[(algo, proto)]
     if algo is Algorithm.TREE:
@@ -197,7 +221,7 @@ def _estimate(
         if op is not Collective.ALL_REDUCE or (nodes == 1 and proto is Protocol.SIMPLE):
             return None
         bus *= TREE_BW_RATIO[proto][0 if nodes <= 2 else 1]
-        lat_us += 2 * ((ppn - 1) * hop + math.ceil(math.log2(nodes)) * _net_step_us(profile, proto))
+        lat_us += 2 * ((ppn - 1) * hop + math.ceil(math.log2(nodes)) * _net_step_us(profile, algo, proto))
         # Tree all-reduce moves every byte up and down: algbw = bus / 2 (tuning.cc's 0.5 ratio);
         # expressed in rccl-tests' convention the bus bandwidth is algbw x 2(n-1)/n.
         bus = bus / 2 * bus_factor(op, ranks)
@@ -205,20 +229,23 @@ def _estimate(
         # Point-to-point: every peer at once over its own link (or the NIC), one step of latency.
         if proto is not (Protocol.LL if nbytes <= P2P_LL_THRESHOLD else Protocol.SIMPLE):
             return None  # RCCL picks the p2p protocol by size alone, not by the tuner
-        lat_us += hop + (_net_step_us(profile, proto) if nodes > 1 else 0.0)
+        lat_us += hop + (_net_step_us(profile, algo, proto) if nodes > 1 else 0.0)
         if op is Collective.SEND_RECV:
             bus = (_nic_gbps(profile) if nodes > 1 else _xgmi_gbps(profile, 1)) * PROTOCOL_BW_FRACTION[proto]
+        elif nodes == 1:
+            bus = intra * PROTOCOL_BW_FRACTION[proto]
         else:
-            # The share of the buffer bound for the node's peers and for other nodes travel at
-            # once; the slower decides. Seconds per GB of size, turned into rccl-tests' busbw.
-            per_gb = max((ppn - 1) / ranks / intra, (ranks - ppn) / ranks / _nic_gbps(profile))
-            bus = bus_factor(op, ranks) / per_gb * PROTOCOL_BW_FRACTION[proto]
+            # Across nodes all-to-all runs at one NIC's rate: it "cannot aggregate the bandwidth
+            # of multiple NICs, so the performance you should see is the performance of a single
+            # NIC" (NCCL maintainer, NVIDIA/nccl-tests#267); AMD's two-node CVS figures say the
+            # same for RCCL (45-50 GB/s busbw over 400 Gb/s NICs).
+            bus = _nic_gbps(profile) * PROTOCOL_BW_FRACTION[proto]
     else:
         steps, inter_steps = _ring_steps(op, ranks, nodes)
         if nodes > 1:
             # A ring that leaves the node pays the host proxy on every step (tuning.cc).
             hop = max(hop, NET_OVERHEAD_US * (3 if proto is Protocol.SIMPLE else 1))
-        lat_us += (steps - inter_steps) * hop + inter_steps * _net_step_us(profile, proto)
+        lat_us += (steps - inter_steps) * hop + inter_steps * _net_step_us(profile, algo, proto)
     latency_s = lat_us * 1e-6
     seconds = latency_s + nbytes * bus_factor(op, ranks) / (bus * 1e9)
     return CollectiveEstimate(op, nbytes, ranks, nodes, algo, proto, seconds, latency_s, bus)

@@ -57,7 +57,8 @@ class Profile:
     hbm_tbps: float
     xgmi_links: int
     xgmi_gbps_per_link: float  # GB/s per link per direction
-    nic_gbps: float  # scale-out NIC line rate per GPU, Gbit/s (one NIC per GPU)
+    nic_gbps: float  # scale-out NIC line rate, Gbit/s, per NIC
+    nics_per_node: int  # scale-out NICs per node, one per GPU on rail-optimised platforms
     nic_latency_us: float  # one inter-node step of a collective (NIC, fabric, proxy), LL protocol
     pci_device_id: str  # "vendor:device", hex
     board_power_w: int
