@@ -37,6 +37,7 @@ import zmq
 
 from emulator.buffers import RankBuffers
 from emulator.collective_clock import CollectiveClock
+from emulator.events import EventPublisher
 from emulator.fast_socket import FastSocketServer, is_fast
 from emulator.hang import HangDetector
 from emulator.ledger import CommError, Communicator, Ledger, Posted, Worlds
@@ -55,10 +56,6 @@ from wire.profiles import load_profile
 PROGRESS_INTERVAL_S = 0.05
 HANG_SCAN_INTERVAL_S = 0.1
 PEER_CHECK_INTERVAL_S = 0.02
-#: How long a published event may wait to go out with later ones. One PUB frame per loop pass
-#: woke the daemon's I/O thread and three threads of the session for every collective; on two
-#: cores that CPU came out of the collectives' latency. Nothing reads events faster than this.
-EVENT_BATCH_S = 0.01
 #: Refused requests written to daemon.log one by one; after that, one line per thousand.
 REFUSALS_LOGGED = 20
 #: Largest communicator: mirage's largest cluster (1024 nodes x 64 GPUs).
@@ -133,10 +130,7 @@ class Daemon:
             tcp = listen_tcp(self.router, listen, secret_key_file)
             with open(os.path.join(run_dir, TCP_ENDPOINT_FILE), "w") as f:
                 f.write(tcp)
-        self.pub = self.ctx.socket(zmq.PUB)
-        self.pub.setsockopt(zmq.SNDHWM, 0)  # events are never dropped for a slow session
-        self.pub.setsockopt(zmq.LINGER, 2000)
-        self.pub.bind(events)
+        self.events = EventPublisher(self.ctx, events)
         self.buffers = RankBuffers()  # tensors ranks registered, mapped (zero-copy collectives)
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
@@ -161,67 +155,9 @@ class Daemon:
         # rank's bytes (its data frames, unchanged), kept per communicator so a failure drops them all
         self.payloads: dict[str, dict[tuple[bytes, int], np.ndarray | Segmented]] = {}
         self.running = True
-        self._outbox: list[bytes] = []  # encoded events, waiting for their batch
-        self._fresh: list[s.Event | bytes] = []  # events published in this turn of the loop, not encoded yet
-        self._enqueued: dict[tuple, tuple[bytes, bytes, bytes]] = {}  # see publish_enqueued
-        self._outbox_since = 0.0  # when the oldest queued event was published
         self.refused = 0  # requests refused so far (bad token, malformed)
 
     # ------------------------------------------------------------ plumbing
-
-    def publish(self, event: s.Event) -> None:
-        """Queue an event; :meth:`flush_events` sends the queue as one frame (one send, not one per event)."""
-        self._queue(event)
-
-    def _queue(self, event: s.Event | bytes) -> None:
-        """Queue an event, or an encoded one, for :meth:`flush_events`; the first of a batch starts its clock."""
-        if not self._outbox and not self._fresh:
-            self._outbox_since = time.monotonic()
-        self._fresh.append(event)
-
-    def publish_enqueued(self, req: s.Collective) -> None:
-        """``publish(CollectiveEnqueued(...))`` for ``req``: the same line, from a template.
-
-        One per rank per collective, the most frequent event: built and encoded
-        it was a sixth of a small all-reduce's daemon time. Only its time and
-        sequence number change from one call of the same rank at the same site
-        to the next, so the rest is encoded once per (rank, call site, shape).
-        """
-        key = (req.comm, req.rank, req.op, req.dtype, req.numel, req.device, req.site, req.transport)
-        parts = self._enqueued.get(key)
-        if parts is None:
-            if len(self._enqueued) >= 4096:  # many shapes or sites: start over rather than grow
-                self._enqueued.clear()
-            line = s.encode(s.CollectiveEnqueued(
-                t=1.5, comm=req.comm, seq=123456789, rank=req.rank, op=req.op, dtype=req.dtype, numel=req.numel,
-                device=req.device, site=req.site, transport=req.transport,
-            ))
-            # neither can occur inside a JSON string (its quotes would be escaped there)
-            head, rest = line.split(b'"t":1.5,', 1)
-            middle, tail = rest.split(b',"seq":123456789,', 1)
-            parts = self._enqueued[key] = (head + b'"t":', b"," + middle + b',"seq":', b"," + tail)
-        head, middle, tail = parts
-        self._queue(b"".join((head, repr(time.time()).encode(), middle, str(req.seq).encode(), tail)))
-
-    def flush_events(self, force: bool = True) -> None:
-        """Send the queued events in the order they were published; unless ``force``, only once the
-        oldest has waited ``EVENT_BATCH_S``.
-
-        Events are encoded here, at the end of the loop's turn (``serve`` calls
-        this last), not when published: the last request of a small collective
-        no longer waits for its own events (enqueued, started) to be encoded
-        before the replies go out.
-        """
-        if self._fresh:
-            for event in self._fresh:
-                try:
-                    self._outbox.append(event if type(event) is bytes else s.encode(event))
-                except Exception:  # a bug in one event must not stop the loop (nor lose the others)
-                    traceback.print_exc()
-            self._fresh = []
-        if self._outbox and (force or time.monotonic() - self._outbox_since >= EVENT_BATCH_S):
-            self.pub.send(s.encode_events(self._outbox))
-            self._outbox = []
 
     def reply(self, client: bytes, msg: s.Reply, data: np.ndarray | None = None) -> None:
         """Send ``msg`` to ``client``; ``data`` (a socket-transport output) follows as one frame, not copied."""
@@ -286,7 +222,7 @@ class Daemon:
                 self.rank_pids[msg.rank] = msg.pid
                 self.rank_hosts[msg.rank] = msg.host
                 self.dead.pop(msg.rank, None)  # a restarted rank (torchrun --max-restarts) is alive again
-                self.publish(s.RankRegistered(rank=msg.rank, node=msg.node, pid=msg.pid, host=msg.host))
+                self.events.publish(s.RankRegistered(rank=msg.rank, node=msg.node, pid=msg.pid, host=msg.host))
             elif isinstance(msg, s.RankExited):
                 self.reply(client, s.Ok(req=msg.req))
                 self.gone_elsewhere.add((msg.host, msg.pid))
@@ -297,7 +233,7 @@ class Daemon:
                     raise CommError("ncclInvalidArgument", f"rank {msg.rank} outside a world of size {msg.size}")
                 self.worlds.record(msg, self.alive)
                 self.reply(client, s.Ok(req=msg.req))
-                self.publish(s.WorldStage(world=msg.world, rank=msg.rank, size=msg.size, site=msg.site,
+                self.events.publish(s.WorldStage(world=msg.world, rank=msg.rank, size=msg.size, site=msg.site,
                                           phase=msg.phase))
             elif isinstance(msg, s.CompileState):
                 self.hangs.pause(msg.rank, "compiling", msg.compiling)
@@ -306,19 +242,19 @@ class Daemon:
                 self.debugged[msg.rank] = msg.pid
                 self.hangs.debugger(msg.rank, stopped=msg.phase is not s.DebugPhase.RUNNING)
                 self.reply(client, s.Ok(req=msg.req))
-                self.publish(s.RankDebugging(rank=msg.rank, node=msg.node, pid=msg.pid, phase=msg.phase,
+                self.events.publish(s.RankDebugging(rank=msg.rank, node=msg.node, pid=msg.pid, phase=msg.phase,
                                              debugger=msg.debugger, address=msg.address, connect=msg.connect))
             elif isinstance(msg, s.StepReport):  # unanswered: the rank does not wait for its books
-                self.publish(s.ClockedStep(**{f: getattr(msg, f) for f in _STEP_FIELDS}))
+                self.events.publish(s.ClockedStep(**{f: getattr(msg, f) for f in _STEP_FIELDS}))
             elif isinstance(msg, s.MemoryReport):
                 self.reply(client, s.Ok(req=msg.req))
-                self.publish(s.MemoryUsage(**{f: getattr(msg, f) for f in _MEMORY_FIELDS}))
+                self.events.publish(s.MemoryUsage(**{f: getattr(msg, f) for f in _MEMORY_FIELDS}))
             elif isinstance(msg, s.CommInit):
                 if not 1 <= msg.size <= MAX_COMM_SIZE:  # the ledger and the hang scan walk every rank
                     raise CommError("ncclInvalidArgument", f"communicator size {msg.size} is outside 1..{MAX_COMM_SIZE}")
                 self.ledger.join(msg)
                 self.reply(client, s.Ok(req=msg.req))
-                self.publish(
+                self.events.publish(
                     s.CommJoined(
                         comm=msg.comm, rank=msg.rank, size=msg.size, global_rank=msg.global_rank,
                         transport=msg.transport, name=msg.name, desc=msg.desc,
@@ -342,7 +278,7 @@ class Daemon:
 
     def refuse(self, client: bytes, req: int, why: str) -> None:
         self.reply(client, s.Error(req=req, code="protocol", message=why))
-        self.publish(s.ProtocolError(message=why))
+        self.events.publish(s.ProtocolError(message=why))
         # daemon.log too: the first refusals with their reason, then one line per thousand (a flood stays small)
         self.refused += 1
         if self.refused <= REFUSALS_LOGGED or self.refused % 1000 == 0:
@@ -350,7 +286,7 @@ class Daemon:
                   file=sys.stderr, flush=True)
 
     def publish_ready(self) -> None:
-        self.publish(
+        self.events.publish(
             s.DaemonReady(pid=os.getpid(), profile=self.profile, nodes=self.nodes, gpus_per_node=self.gpus_per_node,
                           exec_mode=self.exec_mode)
         )
@@ -407,19 +343,19 @@ class Daemon:
             self.payloads.get(req.comm, {}).pop((client, req.req), None)
             return self.refuse_post(client, req, _comm_error(e))
         # published once the ledger took it: a refused post was never enqueued
-        self.publish_enqueued(req)
+        self.events.publish_enqueued(req)
         if matched is None:
             return
         warning = self.stragglers.observe(comm, matched)
         if warning is not None and warning.rank not in self.debugged:
-            self.publish(warning)
+            self.events.publish(warning)
         if req.direct:  # the ranks moved the data themselves: only the books to keep, nobody to answer
             self.ledger.complete(comm, req.seq)
             nbytes = 0 if req.op is s.CollOp.BARRIER else req.numel * itemsize(req.dtype)
-            self.publish(s.CollectiveStarted(comm=comm.comm, seq=req.seq, op=req.op, total_bytes=nbytes))
+            self.events.publish(s.CollectiveStarted(comm=comm.comm, seq=req.seq, op=req.op, total_bytes=nbytes))
             # clocked: the time every rank computed for itself from the same t_ready and figures
             t = self.clock.time(comm, matched) if self.clock is not None else _UNTIMED
-            self.publish(s.CollectiveCompleted(comm=comm.comm, seq=req.seq, op=req.op, total_bytes=nbytes,
+            self.events.publish(s.CollectiveCompleted(comm=comm.comm, seq=req.seq, op=req.op, total_bytes=nbytes,
                                                seconds=0.0, emulated_start=t.start, emulated_end=t.end,
                                                algo=t.algo))
             return
@@ -430,7 +366,7 @@ class Daemon:
         if self.clock is not None:
             job.timing = self.clock.time(comm, matched)
         self.scheduler.submit(job)
-        self.publish(s.CollectiveStarted(comm=comm.comm, seq=req.seq, op=req.op, total_bytes=job.total_bytes))
+        self.events.publish(s.CollectiveStarted(comm=comm.comm, seq=req.seq, op=req.op, total_bytes=job.total_bytes))
 
     def refuse_post(self, client: bytes, req: s.Collective, err: CommError) -> None:
         """A post the ledger will not take: its communicator fails (every rank waiting in it hears why)."""
@@ -446,7 +382,7 @@ class Daemon:
         waiting += [p for job in self.scheduler.drop(comm) for p in job.posted]
         for p in waiting:
             self.reply(p.client, s.Error(req=p.request.req, code=err.code, message=err.message))
-        self.publish(s.CommFailed(comm=comm.comm, code=err.code, message=err.message))
+        self.events.publish(s.CommFailed(comm=comm.comm, code=err.code, message=err.message))
 
     def local(self, host: str) -> bool:
         """Whether a process of ``host`` runs on this daemon's machine (its pid means something here)."""
@@ -460,7 +396,7 @@ class Daemon:
         pid = self.rank_pids.pop(rank)
         self.rank_hosts.pop(rank, None)
         self.dead[rank] = how
-        self.publish(s.RankGone(rank=rank, pid=pid))
+        self.events.publish(s.RankGone(rank=rank, pid=pid))
 
     def check_peers(self) -> None:
         """Notice ranks whose process is gone, and fail the collectives waiting on them."""
@@ -498,7 +434,7 @@ class Daemon:
                 continue
             job.last_progress = now
             req = job.first
-            self.publish(
+            self.events.publish(
                 s.CollectiveProgress(
                     comm=req.comm, seq=req.seq, done_bytes=job.done * job.itemsize, total_bytes=job.total_bytes
                 )
@@ -530,7 +466,7 @@ class Daemon:
             back = None if req.op is s.CollOp.BROADCAST and p.request.rank == req.root else _sent_back(p, out)
             self.reply(p.client, s.Done(req=p.request.req, comm=req.comm, seq=req.seq, devices=devices, hosts=hosts,
                                         t_start=t.start, t_end=t.end, algo=t.algo), back)
-        self.publish(
+        self.events.publish(
             s.CollectiveCompleted(
                 comm=req.comm, seq=req.seq, op=req.op, total_bytes=job.total_bytes,
                 seconds=time.monotonic() - job.started, emulated_start=t.start, emulated_end=t.end, algo=t.algo,
@@ -543,20 +479,8 @@ class Daemon:
         next_scan = next_peer_check = 0.0
         self.publish_ready()
         while self.running:
-            if self.scheduler.busy:
-                wait_s = 0.0
-            elif self._outbox or self._fresh:  # wake up to send them even if nothing else happens
-                wait_s = self._outbox_since + EVENT_BATCH_S - time.monotonic()
-                if wait_s < 0.001:
-                    # poll counts whole milliseconds (pyzmq truncates): a wait under one was a 0 ms
-                    # poll, and the loop spun until the batch was due, up to 1 ms of every 10 (five
-                    # loop turns per small collective). The batch goes now, a little early, instead.
-                    self.flush_events()
-                    wait_s = PEER_CHECK_INTERVAL_S
-                else:
-                    wait_s = min(PEER_CHECK_INTERVAL_S, wait_s)
-            else:
-                wait_s = PEER_CHECK_INTERVAL_S
+            # queued events wake the loop up to go out even if nothing else happens
+            wait_s = 0.0 if self.scheduler.busy else self.events.wait_s(PEER_CHECK_INTERVAL_S)
             ready = dict(self.poller.poll(wait_s * 1000))
             for sock, flags in ready.items():
                 if sock is not self.router:
@@ -587,10 +511,10 @@ class Daemon:
                     job.comm.members[p.request.rank].global_rank for job in self.scheduler.jobs for p in job.posted
                 )
                 for finding in self.hangs.scan(self.ledger, now, busy):
-                    self.publish(finding)
+                    self.events.publish(finding)
                 for finding in self.hangs.scan_worlds(self.worlds, self.alive, now):
-                    self.publish(finding)
-            self.flush_events(force=False)
+                    self.events.publish(finding)
+            self.events.flush(force=False)
             if orphaned(parent):
                 break  # the session is gone: nobody is left to serve
 
@@ -600,13 +524,12 @@ class Daemon:
         stop_orphans(self.session, [p for r, p in self.rank_pids.items() if self.local(self.rank_hosts.get(r, ""))])
 
     def close(self) -> None:
-        self.flush_events()
+        self.events.close()
         for arena in self.arenas.values():
             arena.close()
         self.buffers.close()
         self.fast.close()
         self.router.close(0)
-        self.pub.close()
         self.ctx.term()
 
 
