@@ -30,7 +30,7 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import zmq
@@ -74,6 +74,8 @@ MAX_FRAME_BYTES = s.MAX_DATA_FRAME_BYTES
 #: What CURVE adds to a message on the wire (its MESSAGE command, nonce, flags and MAC: 33 bytes), rounded up.
 CURVE_BOX_BYTES = 64
 ONE_FRAME = "malformed request: expected one frame (data frames follow only a socket-transport collective)"
+#: A socket-transport rank's bytes as received: one frame's, or several frames read as one array.
+Payload = np.ndarray | Segmented
 
 
 def listen_tcp(sock: zmq.Socket, address: str, secret_key_file: str) -> str:
@@ -153,7 +155,7 @@ class Daemon:
         self.arenas: dict[str, Arena] = {}
         # socket-transport inputs received and not yet consumed: comm -> (client, req id) -> the
         # rank's bytes (its data frames, unchanged), kept per communicator so a failure drops them all
-        self.payloads: dict[str, dict[tuple[bytes, int], np.ndarray | Segmented]] = {}
+        self.payloads: dict[str, dict[tuple[bytes, int], Payload]] = {}
         self.running = True
         self.refused = 0  # requests refused so far (bad token, malformed)
 
@@ -173,7 +175,7 @@ class Daemon:
         except zmq.ZMQError:
             pass  # the client is gone; its rank will be reported dead by the session
 
-    def payload_of(self, p: Posted) -> np.ndarray | Segmented | None:
+    def payload_of(self, p: Posted) -> Payload | None:
         """The bytes a socket-transport rank sent with its request (taken: each is consumed once)."""
         return self.payloads.get(p.request.comm, {}).pop((p.client, p.request.req), None)
 
@@ -192,82 +194,22 @@ class Daemon:
 
     def handle(self, client: bytes, data: bytes, fds: Sequence[int] = (), frames: Sequence[zmq.Frame] = ()) -> None:
         """Answer one request; ``fds`` came with it (fast socket), ``frames`` after it (socket-transport
-        collectives, over ZeroMQ)."""
+        collectives, over ZeroMQ).
+
+        :meth:`admit` decodes and authenticates it, then its type's handler in
+        :data:`_HANDLERS` runs; whatever a handler raises becomes the rank's
+        ``Error`` reply, never an exception out of the loop.
+        """
+        admitted = self.admit(client, data, frames)
+        if admitted is None:
+            return
+        msg, payload = admitted
         try:
-            msg = s.decode(data)
-        except s.SchemaError as e:
-            return self.refuse(client, 0, ONE_FRAME if frames else f"malformed request: {e}")
-        with_frames = isinstance(msg, s.Collective) and msg.transport is s.Transport.SOCKET
-        if frames and not with_frames:
-            return self.refuse(client, msg.req if isinstance(msg, s.Request) else 0, ONE_FRAME)
-        if not isinstance(msg, s.Request):
-            return self.refuse(client, 0, f"{msg.TYPE!r} is not a request")
-        # surrogatepass: JSON may carry a lone surrogate ("\ud800"), which strict utf-8 refuses
-        if not hmac.compare_digest(msg.token.encode("utf-8", "surrogatepass"), self._token_bytes):
-            return self.refuse(client, msg.req, "unauthorized: wrong or missing session token")
-        why, payload = _payload(frames) if with_frames else ("", None)
-        if why:
-            return self.refuse(client, msg.req, f"malformed request: {why}")
-        try:
-            if type(msg) is s.Collective:  # first: one per rank per collective, the rest are rare
-                if msg.op is s.CollOp.SEND or msg.op is s.CollOp.RECV:
-                    self.post_p2p(client, msg, payload)
-                else:
-                    self.post(client, msg, payload)
-            elif isinstance(msg, s.Ping):
-                self.reply(client, s.Ok(req=msg.req))
-                self.publish_ready()
-            elif isinstance(msg, s.Hello):
-                self.reply(client, s.Ok(req=msg.req))
-                self.rank_pids[msg.rank] = msg.pid
-                self.rank_hosts[msg.rank] = msg.host
-                self.dead.pop(msg.rank, None)  # a restarted rank (torchrun --max-restarts) is alive again
-                self.events.publish(s.RankRegistered(rank=msg.rank, node=msg.node, pid=msg.pid, host=msg.host))
-            elif isinstance(msg, s.RankExited):
-                self.reply(client, s.Ok(req=msg.req))
-                self.gone_elsewhere.add((msg.host, msg.pid))
-                if self.rank_pids.get(msg.rank) == msg.pid and self.rank_hosts.get(msg.rank) == msg.host:
-                    self.rank_gone(msg.rank, f"rank {msg.rank} (pid {msg.pid} on {msg.host}) exited")
-            elif isinstance(msg, s.WorldFormation):
-                if not 1 <= msg.size <= MAX_COMM_SIZE or not 0 <= msg.rank < msg.size:
-                    raise CommError("ncclInvalidArgument", f"rank {msg.rank} outside a world of size {msg.size}")
-                self.worlds.record(msg, self.alive)
-                self.reply(client, s.Ok(req=msg.req))
-                self.events.publish(s.WorldStage(world=msg.world, rank=msg.rank, size=msg.size, site=msg.site,
-                                          phase=msg.phase))
-            elif isinstance(msg, s.CompileState):
-                self.hangs.pause(msg.rank, "compiling", msg.compiling)
-                self.reply(client, s.Ok(req=msg.req))
-            elif isinstance(msg, s.DebuggerState):
-                self.debugged[msg.rank] = msg.pid
-                self.hangs.debugger(msg.rank, stopped=msg.phase is not s.DebugPhase.RUNNING)
-                self.reply(client, s.Ok(req=msg.req))
-                self.events.publish(s.RankDebugging(rank=msg.rank, node=msg.node, pid=msg.pid, phase=msg.phase,
-                                             debugger=msg.debugger, address=msg.address, connect=msg.connect))
-            elif isinstance(msg, s.StepReport):  # unanswered: the rank does not wait for its books
-                self.events.publish(s.ClockedStep(**{f: getattr(msg, f) for f in _STEP_FIELDS}))
-            elif isinstance(msg, s.MemoryReport):
-                self.reply(client, s.Ok(req=msg.req))
-                self.events.publish(s.MemoryUsage(**{f: getattr(msg, f) for f in _MEMORY_FIELDS}))
-            elif isinstance(msg, s.CommInit):
-                if not 1 <= msg.size <= MAX_COMM_SIZE:  # the ledger and the hang scan walk every rank
-                    raise CommError("ncclInvalidArgument", f"communicator size {msg.size} is outside 1..{MAX_COMM_SIZE}")
-                self.ledger.join(msg)
-                self.reply(client, s.Ok(req=msg.req))
-                self.events.publish(
-                    s.CommJoined(
-                        comm=msg.comm, rank=msg.rank, size=msg.size, global_rank=msg.global_rank,
-                        transport=msg.transport, name=msg.name, desc=msg.desc,
-                    )
-                )
-            elif isinstance(msg, s.RegisterBuffer):
-                self.buffers.register(client, msg.buf, msg.nbytes, list(fds))
-                self.reply(client, s.Ok(req=msg.req))
-            elif isinstance(msg, s.ReleaseBuffers):
-                self.buffers.release(client, msg.bufs)
-                self.reply(client, s.Ok(req=msg.req))
-            else:
+            handler = _HANDLERS.get(type(msg))
+            if handler is None:
                 self.refuse(client, msg.req, f"unexpected request {msg.TYPE!r}")
+            else:
+                handler(self, client, msg, fds, payload)
         except CommError as e:
             self.reply(client, s.Error(req=msg.req, code=e.code, message=e.message))
         except (ArenaError, KernelError, OSError) as e:
@@ -275,6 +217,124 @@ class Daemon:
         except Exception as e:  # a bug must not take the session's GPUs down, nor leave a rank waiting
             traceback.print_exc()
             self.reply(client, s.Error(req=msg.req, code="ncclInternalError", message=f"daemon internal error: {e}"))
+
+    def admit(self, client: bytes, data: bytes, frames: Sequence[zmq.Frame]) -> tuple[s.Request, Payload | None] | None:
+        """Framing and authentication: the request in ``data`` with its data frames' bytes, or None once refused.
+
+        Data frames may follow only a socket-transport collective, every request
+        must carry the session token, and the frames must be whole (see
+        :func:`_payload`); anything else is refused before any handler sees it.
+        """
+        try:
+            msg = s.decode(data)
+        except s.SchemaError as e:
+            self.refuse(client, 0, ONE_FRAME if frames else f"malformed request: {e}")
+            return None
+        with_frames = isinstance(msg, s.Collective) and msg.transport is s.Transport.SOCKET
+        if frames and not with_frames:
+            self.refuse(client, msg.req if isinstance(msg, s.Request) else 0, ONE_FRAME)
+            return None
+        if not isinstance(msg, s.Request):
+            self.refuse(client, 0, f"{msg.TYPE!r} is not a request")
+            return None
+        # surrogatepass: JSON may carry a lone surrogate ("\ud800"), which strict utf-8 refuses
+        if not hmac.compare_digest(msg.token.encode("utf-8", "surrogatepass"), self._token_bytes):
+            self.refuse(client, msg.req, "unauthorized: wrong or missing session token")
+            return None
+        why, payload = _payload(frames) if with_frames else ("", None)
+        if why:
+            self.refuse(client, msg.req, f"malformed request: {why}")
+            return None
+        return msg, payload
+
+    # One handler per request type, all called as ``handler(client, msg, fds, payload)`` (see _HANDLERS);
+    # each answers its rank (``Ok``, unless said otherwise) and raises what becomes an ``Error`` reply.
+
+    def _collective(self, client: bytes, msg: s.Collective, fds: Sequence[int], payload: Payload | None) -> None:
+        """A collective or a point-to-point half, posted to the ledger; answered when it completes."""
+        if msg.op is s.CollOp.SEND or msg.op is s.CollOp.RECV:
+            self.post_p2p(client, msg, payload)
+        else:
+            self.post(client, msg, payload)
+
+    def _ping(self, client: bytes, msg: s.Ping, fds: Sequence[int], payload: Payload | None) -> None:
+        """The session's readiness probe: ``daemon_ready`` again, for a subscriber that joined late."""
+        self.reply(client, s.Ok(req=msg.req))
+        self.publish_ready()
+
+    def _hello(self, client: bytes, msg: s.Hello, fds: Sequence[int], payload: Payload | None) -> None:
+        """A rank's process registers; the last registration of a rank is the one watched."""
+        self.reply(client, s.Ok(req=msg.req))
+        self.rank_pids[msg.rank] = msg.pid
+        self.rank_hosts[msg.rank] = msg.host
+        self.dead.pop(msg.rank, None)  # a restarted rank (torchrun --max-restarts) is alive again
+        self.events.publish(s.RankRegistered(rank=msg.rank, node=msg.node, pid=msg.pid, host=msg.host))
+
+    def _rank_exited(self, client: bytes, msg: s.RankExited, fds: Sequence[int], payload: Payload | None) -> None:
+        """The session says a process of another host exited (this daemon cannot see it)."""
+        self.reply(client, s.Ok(req=msg.req))
+        self.gone_elsewhere.add((msg.host, msg.pid))
+        if self.rank_pids.get(msg.rank) == msg.pid and self.rank_hosts.get(msg.rank) == msg.host:
+            self.rank_gone(msg.rank, f"rank {msg.rank} (pid {msg.pid} on {msg.host}) exited")
+
+    def _world_formation(self, client: bytes, msg: s.WorldFormation, fds: Sequence[int],
+                         payload: Payload | None) -> None:
+        """A rank enters or leaves ``init_process_group``: recorded for the hang scan of worlds."""
+        if not 1 <= msg.size <= MAX_COMM_SIZE or not 0 <= msg.rank < msg.size:
+            raise CommError("ncclInvalidArgument", f"rank {msg.rank} outside a world of size {msg.size}")
+        self.worlds.record(msg, self.alive)
+        self.reply(client, s.Ok(req=msg.req))
+        self.events.publish(s.WorldStage(world=msg.world, rank=msg.rank, size=msg.size, site=msg.site,
+                                         phase=msg.phase))
+
+    def _compile_state(self, client: bytes, msg: s.CompileState, fds: Sequence[int], payload: Payload | None) -> None:
+        """A rank starts or stops compiling: its peers' waits meanwhile are not hangs."""
+        self.hangs.pause(msg.rank, "compiling", msg.compiling)
+        self.reply(client, s.Ok(req=msg.req))
+
+    def _debugger_state(self, client: bytes, msg: s.DebuggerState, fds: Sequence[int],
+                        payload: Payload | None) -> None:
+        """A rank stops in or runs on from its debugger (``--debug-rank``): no hang while it is stopped."""
+        self.debugged[msg.rank] = msg.pid
+        self.hangs.debugger(msg.rank, stopped=msg.phase is not s.DebugPhase.RUNNING)
+        self.reply(client, s.Ok(req=msg.req))
+        self.events.publish(s.RankDebugging(rank=msg.rank, node=msg.node, pid=msg.pid, phase=msg.phase,
+                                            debugger=msg.debugger, address=msg.address, connect=msg.connect))
+
+    def _step_report(self, client: bytes, msg: s.StepReport, fds: Sequence[int], payload: Payload | None) -> None:
+        """A clocked step's books, passed on as an event; unanswered: the rank does not wait for them."""
+        self.events.publish(s.ClockedStep(**{f: getattr(msg, f) for f in _STEP_FIELDS}))
+
+    def _memory_report(self, client: bytes, msg: s.MemoryReport, fds: Sequence[int],
+                       payload: Payload | None) -> None:
+        """A GPU's memory figures, passed on as an event."""
+        self.reply(client, s.Ok(req=msg.req))
+        self.events.publish(s.MemoryUsage(**{f: getattr(msg, f) for f in _MEMORY_FIELDS}))
+
+    def _comm_init(self, client: bytes, msg: s.CommInit, fds: Sequence[int], payload: Payload | None) -> None:
+        """A rank joins a communicator."""
+        if not 1 <= msg.size <= MAX_COMM_SIZE:  # the ledger and the hang scan walk every rank
+            raise CommError("ncclInvalidArgument", f"communicator size {msg.size} is outside 1..{MAX_COMM_SIZE}")
+        self.ledger.join(msg)
+        self.reply(client, s.Ok(req=msg.req))
+        self.events.publish(
+            s.CommJoined(
+                comm=msg.comm, rank=msg.rank, size=msg.size, global_rank=msg.global_rank,
+                transport=msg.transport, name=msg.name, desc=msg.desc,
+            )
+        )
+
+    def _register_buffer(self, client: bytes, msg: s.RegisterBuffer, fds: Sequence[int],
+                         payload: Payload | None) -> None:
+        """A rank lends a tensor's storage (the descriptor in ``fds``) for zero-copy collectives."""
+        self.buffers.register(client, msg.buf, msg.nbytes, list(fds))
+        self.reply(client, s.Ok(req=msg.req))
+
+    def _release_buffers(self, client: bytes, msg: s.ReleaseBuffers, fds: Sequence[int],
+                         payload: Payload | None) -> None:
+        """A rank's lent storages died: unmap them."""
+        self.buffers.release(client, msg.bufs)
+        self.reply(client, s.Ok(req=msg.req))
 
     def refuse(self, client: bytes, req: int, why: str) -> None:
         self.reply(client, s.Error(req=req, code="protocol", message=why))
@@ -291,7 +351,7 @@ class Daemon:
                           exec_mode=self.exec_mode)
         )
 
-    def check_payload(self, client: bytes, req: s.Collective, payload) -> None:
+    def check_payload(self, client: bytes, req: s.Collective, payload: Payload | None) -> None:
         """Hold a socket-transport rank's bytes for its job, once they match what its shape declares."""
         if req.transport is not s.Transport.SOCKET:
             return
@@ -309,7 +369,7 @@ class Daemon:
         if payload is not None:
             self.payloads.setdefault(req.comm, {})[(client, req.req)] = payload
 
-    def post_p2p(self, client: bytes, req: s.Collective, payload=None) -> None:
+    def post_p2p(self, client: bytes, req: s.Collective, payload: Payload | None) -> None:
         """A send or receive; the copy runs in the scheduler once both halves are posted."""
         try:
             self.check_payload(client, req, payload)
@@ -326,7 +386,7 @@ class Daemon:
             except (ArenaError, KernelError, OSError) as e:
                 self.fail(comm, CommError("ncclInvalidArgument", str(e)), extra=pair)
 
-    def post(self, client: bytes, req: s.Collective, payload=None) -> None:
+    def post(self, client: bytes, req: s.Collective, payload: Payload | None) -> None:
         if not 0 <= req.device < self.gpus_per_node:
             err = CommError(
                 "ncclInvalidArgument", f"device {req.device} is not one of this node's {self.gpus_per_node} GPUs"
@@ -533,7 +593,24 @@ class Daemon:
         self.ctx.term()
 
 
-def _payload(frames: Sequence[zmq.Frame]) -> tuple[str, np.ndarray | Segmented | None]:
+#: The handler of each request type (see Daemon.handle): every request of the catalogue has one.
+_HANDLERS: dict[type[s.Request], Callable[[Daemon, bytes, s.Request, Sequence[int], Payload | None], None]] = {
+    s.Collective: Daemon._collective,  # one per rank per collective; the rest are rare
+    s.Ping: Daemon._ping,
+    s.Hello: Daemon._hello,
+    s.RankExited: Daemon._rank_exited,
+    s.WorldFormation: Daemon._world_formation,
+    s.CompileState: Daemon._compile_state,
+    s.DebuggerState: Daemon._debugger_state,
+    s.StepReport: Daemon._step_report,
+    s.MemoryReport: Daemon._memory_report,
+    s.CommInit: Daemon._comm_init,
+    s.RegisterBuffer: Daemon._register_buffer,
+    s.ReleaseBuffers: Daemon._release_buffers,
+}
+
+
+def _payload(frames: Sequence[zmq.Frame]) -> tuple[str, Payload | None]:
     """The bytes of a socket-transport collective's data frames, or why the frames are malformed.
 
     Frames are MAX_DATA_FRAME_BYTES each but the last (1 byte to that), so
