@@ -42,6 +42,7 @@ from emulator.fast_socket import FastSocketServer, is_fast
 from emulator.hang import HangDetector
 from emulator.ledger import CommError, Communicator, Ledger, Posted, Worlds
 from emulator.lifetime import die_with_parent, orphaned, stop_orphans
+from emulator.ranks import RankProcesses
 from emulator.scheduler import Job, WaveScheduler, input_elements, make_job, make_p2p_job
 from emulator.straggler import StragglerDetector
 from wire import schema as s
@@ -49,7 +50,6 @@ from wire.arena import Arena, ArenaError, check_name
 from wire.collective_timing import Timing
 from wire.endpoints import TCP_ENDPOINT_FILE, endpoints
 from wire.kernels import DTYPES, KernelError, Segmented, itemsize
-from wire.procfs import alive
 from wire.profiles import load_profile
 
 #: How often progress events go out for one collective, at most.
@@ -109,7 +109,6 @@ class Daemon:
                  hang_timeout_s: float = 30.0, exec_mode: str = "functional", listen: str = "",
                  secret_key_file: str = ""):
         self.session = session
-        self.host = socket.gethostname()  # ranks on another host are watched by their host's agent
         self.token = token
         self._token_bytes = token.encode()
         self.profile = profile
@@ -145,13 +144,7 @@ class Daemon:
         self.scheduler = WaveScheduler()
         self.hangs = HangDetector(hang_timeout_s)
         self.stragglers = StragglerDetector()
-        self.rank_pids: dict[int, int] = {}  # global rank -> pid, from Hello
-        self.rank_hosts: dict[int, str] = {}  # global rank -> the host its pid is on, from Hello
-        self.gone_elsewhere: set[tuple[str, int]] = set()  # (host, pid) another host's agent saw exit
-        self.dead: dict[int, str] = {}  # global rank -> how it went
-        # global rank -> pid of ranks that stopped in a debugger (--debug-rank) in this run: their waits are
-        # not hangs while they are stopped, and their arrival times say nothing about stragglers
-        self.debugged: dict[int, int] = {}
+        self.ranks = RankProcesses(socket.gethostname())  # which process is each rank, and is it alive
         self.arenas: dict[str, Arena] = {}
         # socket-transport inputs received and not yet consumed: comm -> (client, req id) -> the
         # rank's bytes (its data frames, unchanged), kept per communicator so a failure drops them all
@@ -265,16 +258,13 @@ class Daemon:
     def _hello(self, client: bytes, msg: s.Hello, fds: Sequence[int], payload: Payload | None) -> None:
         """A rank's process registers; the last registration of a rank is the one watched."""
         self.reply(client, s.Ok(req=msg.req))
-        self.rank_pids[msg.rank] = msg.pid
-        self.rank_hosts[msg.rank] = msg.host
-        self.dead.pop(msg.rank, None)  # a restarted rank (torchrun --max-restarts) is alive again
+        self.ranks.register(msg.rank, msg.pid, msg.host)
         self.events.publish(s.RankRegistered(rank=msg.rank, node=msg.node, pid=msg.pid, host=msg.host))
 
     def _rank_exited(self, client: bytes, msg: s.RankExited, fds: Sequence[int], payload: Payload | None) -> None:
         """The session says a process of another host exited (this daemon cannot see it)."""
         self.reply(client, s.Ok(req=msg.req))
-        self.gone_elsewhere.add((msg.host, msg.pid))
-        if self.rank_pids.get(msg.rank) == msg.pid and self.rank_hosts.get(msg.rank) == msg.host:
+        if self.ranks.exited_elsewhere(msg.rank, msg.pid, msg.host):
             self.rank_gone(msg.rank, f"rank {msg.rank} (pid {msg.pid} on {msg.host}) exited")
 
     def _world_formation(self, client: bytes, msg: s.WorldFormation, fds: Sequence[int],
@@ -282,7 +272,7 @@ class Daemon:
         """A rank enters or leaves ``init_process_group``: recorded for the hang scan of worlds."""
         if not 1 <= msg.size <= MAX_COMM_SIZE or not 0 <= msg.rank < msg.size:
             raise CommError("ncclInvalidArgument", f"rank {msg.rank} outside a world of size {msg.size}")
-        self.worlds.record(msg, self.alive)
+        self.worlds.record(msg, self.ranks.alive)
         self.reply(client, s.Ok(req=msg.req))
         self.events.publish(s.WorldStage(world=msg.world, rank=msg.rank, size=msg.size, site=msg.site,
                                          phase=msg.phase))
@@ -295,7 +285,7 @@ class Daemon:
     def _debugger_state(self, client: bytes, msg: s.DebuggerState, fds: Sequence[int],
                         payload: Payload | None) -> None:
         """A rank stops in or runs on from its debugger (``--debug-rank``): no hang while it is stopped."""
-        self.debugged[msg.rank] = msg.pid
+        self.ranks.debugging(msg.rank, msg.pid)
         self.hangs.debugger(msg.rank, stopped=msg.phase is not s.DebugPhase.RUNNING)
         self.reply(client, s.Ok(req=msg.req))
         self.events.publish(s.RankDebugging(rank=msg.rank, node=msg.node, pid=msg.pid, phase=msg.phase,
@@ -407,7 +397,7 @@ class Daemon:
         if matched is None:
             return
         warning = self.stragglers.observe(comm, matched)
-        if warning is not None and warning.rank not in self.debugged:
+        if warning is not None and warning.rank not in self.ranks.debugged:
             self.events.publish(warning)
         if req.direct:  # the ranks moved the data themselves: only the books to keep, nobody to answer
             self.ledger.complete(comm, req.seq)
@@ -444,43 +434,31 @@ class Daemon:
             self.reply(p.client, s.Error(req=p.request.req, code=err.code, message=err.message))
         self.events.publish(s.CommFailed(comm=comm.comm, code=err.code, message=err.message))
 
-    def local(self, host: str) -> bool:
-        """Whether a process of ``host`` runs on this daemon's machine (its pid means something here)."""
-        return not host or host == self.host
-
-    def alive(self, pid: int, host: str = "") -> bool:
-        """Whether process ``pid`` of ``host`` lives: seen here, or as its host's agent last said."""
-        return alive(pid) if self.local(host) else (host, pid) not in self.gone_elsewhere
-
     def rank_gone(self, rank: int, how: str) -> None:
-        pid = self.rank_pids.pop(rank)
-        self.rank_hosts.pop(rank, None)
-        self.dead[rank] = how
-        self.events.publish(s.RankGone(rank=rank, pid=pid))
+        """``rank``'s process is gone: the books say how, and the session hears of it."""
+        self.events.publish(s.RankGone(rank=rank, pid=self.ranks.gone(rank, how)))
 
     def check_peers(self) -> None:
         """Notice ranks whose process is gone, and fail the collectives waiting on them."""
-        for rank, pid in list(self.rank_pids.items()):
-            if self.local(self.rank_hosts.get(rank, "")) and not alive(pid):
-                self.rank_gone(rank, f"rank {rank} (pid {pid}) exited")
-        for rank, pid in list(self.debugged.items()):
-            if self.local(self.rank_hosts.get(rank, "")) and not alive(pid):  # it died in its debugger ('q'): its peers' waits are hangs (or failures) again
-                del self.debugged[rank]
-                self.hangs.debugger(rank, stopped=False)
+        for rank, pid in self.ranks.exited():
+            self.rank_gone(rank, f"rank {rank} (pid {pid}) exited")
+        for rank in self.ranks.left_debugger():  # its peers' waits are hangs (or failures) again
+            self.hangs.debugger(rank, stopped=False)
+        dead = self.ranks.dead
         for comm in self.ledger.comms.values():
             if comm.failed or not comm.posted:
                 continue  # an idle communicator of a finished rank is fine until someone posts to it
-            gone = [g for m in comm.members.values() if (g := m.global_rank) in self.dead]
+            gone = [g for m in comm.members.values() if (g := m.global_rank) in dead]
             seq = min(comm.posted)
             waiting = sorted(
-                g for r in comm.posted[seq] if (g := comm.members[r].global_rank) not in self.dead
+                g for r in comm.posted[seq] if (g := comm.members[r].global_rank) not in dead
             )
             if gone and waiting:  # nobody alive waiting (a teardown): nothing to tell
                 joined = {comm.members[r].global_rank for r in comm.posted[seq]}
                 culprit = min(gone, key=lambda g: g in joined)  # one that never came, if any
                 waiters = ", ".join(map(str, waiting))
                 err = CommError(
-                    "ncclRemoteError", f"{self.dead[culprit]} while ranks {{{waiters}}} wait in collective #{seq}"
+                    "ncclRemoteError", f"{dead[culprit]} while ranks {{{waiters}}} wait in collective #{seq}"
                 )
                 self.fail(comm, err, extra=[])
 
@@ -572,7 +550,7 @@ class Daemon:
                 )
                 for finding in self.hangs.scan(self.ledger, now, busy):
                     self.events.publish(finding)
-                for finding in self.hangs.scan_worlds(self.worlds, self.alive, now):
+                for finding in self.hangs.scan_worlds(self.worlds, self.ranks.alive, now):
                     self.events.publish(finding)
             self.events.flush(force=False)
             if orphaned(parent):
@@ -581,7 +559,7 @@ class Daemon:
     def stop_orphans(self) -> None:
         """The session is gone: stop the ranks it left (they would wait on nobody) and remove its arenas."""
         # another host's ranks are its agent's to stop (it stops them once the session stops answering)
-        stop_orphans(self.session, [p for r, p in self.rank_pids.items() if self.local(self.rank_hosts.get(r, ""))])
+        stop_orphans(self.session, self.ranks.local_pids())
 
     def close(self) -> None:
         self.events.close()
