@@ -42,14 +42,15 @@ from emulator.fast_socket import FastSocketServer, is_fast
 from emulator.hang import HangDetector
 from emulator.ledger import CommError, Communicator, Ledger, Posted, Worlds
 from emulator.lifetime import die_with_parent, orphaned, stop_orphans
+from emulator.payloads import Payload, SocketPayloads, from_frames
 from emulator.ranks import RankProcesses
-from emulator.scheduler import Job, WaveScheduler, input_elements, make_job, make_p2p_job
+from emulator.scheduler import Job, WaveScheduler, make_job, make_p2p_job
 from emulator.straggler import StragglerDetector
 from wire import schema as s
 from wire.arena import Arena, ArenaError, check_name
 from wire.collective_timing import Timing
 from wire.endpoints import TCP_ENDPOINT_FILE, endpoints
-from wire.kernels import DTYPES, KernelError, Segmented, itemsize
+from wire.kernels import DTYPES, KernelError, itemsize
 from wire.profiles import load_profile
 
 #: How often progress events go out for one collective, at most.
@@ -74,8 +75,6 @@ MAX_FRAME_BYTES = s.MAX_DATA_FRAME_BYTES
 #: What CURVE adds to a message on the wire (its MESSAGE command, nonce, flags and MAC: 33 bytes), rounded up.
 CURVE_BOX_BYTES = 64
 ONE_FRAME = "malformed request: expected one frame (data frames follow only a socket-transport collective)"
-#: A socket-transport rank's bytes as received: one frame's, or several frames read as one array.
-Payload = np.ndarray | Segmented
 
 
 def listen_tcp(sock: zmq.Socket, address: str, secret_key_file: str) -> str:
@@ -93,7 +92,7 @@ def listen_tcp(sock: zmq.Socket, address: str, secret_key_file: str) -> str:
         secret = f.read().strip()
     # libzmq checks a message's size as it arrives, and over CURVE that is the box around it: a full data
     # frame is bigger there than its bytes, and the daemon's limit would drop the rank's connection, its
-    # collective lost with it (the frames' sizes are checked exactly once decrypted, in ``_payload``)
+    # collective lost with it (the frames' sizes are checked exactly once decrypted, in ``payloads.from_frames``)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + CURVE_BOX_BYTES)
     sock.curve_secretkey = secret
     sock.curve_publickey = zmq.curve_public(secret)
@@ -146,9 +145,7 @@ class Daemon:
         self.stragglers = StragglerDetector()
         self.ranks = RankProcesses(socket.gethostname())  # which process is each rank, and is it alive
         self.arenas: dict[str, Arena] = {}
-        # socket-transport inputs received and not yet consumed: comm -> (client, req id) -> the
-        # rank's bytes (its data frames, unchanged), kept per communicator so a failure drops them all
-        self.payloads: dict[str, dict[tuple[bytes, int], Payload]] = {}
+        self.payloads = SocketPayloads()  # socket-transport inputs received and not yet consumed
         self.running = True
         self.refused = 0  # requests refused so far (bad token, malformed)
 
@@ -167,10 +164,6 @@ class Daemon:
                 self.router.send_multipart([client, s.encode(msg), data], zmq.NOBLOCK, copy=False)
         except zmq.ZMQError:
             pass  # the client is gone; its rank will be reported dead by the session
-
-    def payload_of(self, p: Posted) -> Payload | None:
-        """The bytes a socket-transport rank sent with its request (taken: each is consumed once)."""
-        return self.payloads.get(p.request.comm, {}).pop((p.client, p.request.req), None)
 
     def arena(self, name: str) -> Arena:
         arena = self.arenas.get(name)
@@ -216,7 +209,7 @@ class Daemon:
 
         Data frames may follow only a socket-transport collective, every request
         must carry the session token, and the frames must be whole (see
-        :func:`_payload`); anything else is refused before any handler sees it.
+        :func:`emulator.payloads.from_frames`); anything else is refused before any handler sees it.
         """
         try:
             msg = s.decode(data)
@@ -234,7 +227,7 @@ class Daemon:
         if not hmac.compare_digest(msg.token.encode("utf-8", "surrogatepass"), self._token_bytes):
             self.refuse(client, msg.req, "unauthorized: wrong or missing session token")
             return None
-        why, payload = _payload(frames) if with_frames else ("", None)
+        why, payload = from_frames(frames) if with_frames else ("", None)
         if why:
             self.refuse(client, msg.req, f"malformed request: {why}")
             return None
@@ -341,35 +334,17 @@ class Daemon:
                           exec_mode=self.exec_mode)
         )
 
-    def check_payload(self, client: bytes, req: s.Collective, payload: Payload | None) -> None:
-        """Hold a socket-transport rank's bytes for its job, once they match what its shape declares."""
-        if req.transport is not s.Transport.SOCKET:
-            return
-        comm = self.ledger.comms.get(req.comm)
-        if comm is None:
-            return  # the ledger refuses it (not joined); there is nothing to hold
-        want = input_elements(req, comm.size) * itemsize(req.dtype)
-        got = 0 if payload is None else len(payload)
-        if got != want:
-            raise CommError(
-                "ncclInvalidArgument",
-                f"rank {req.rank} sent {got} bytes of data frames with {req.op.value} #{req.seq} of "
-                f"{req.numel} x {req.dtype}, which needs {want}",
-            )
-        if payload is not None:
-            self.payloads.setdefault(req.comm, {})[(client, req.req)] = payload
-
     def post_p2p(self, client: bytes, req: s.Collective, payload: Payload | None) -> None:
         """A send or receive; the copy runs in the scheduler once both halves are posted."""
         try:
-            self.check_payload(client, req, payload)
+            self.payloads.hold(client, req, payload, self.ledger.comms.get(req.comm))
             comm, pair = self.ledger.post_p2p(client, req)
         except (CommError, KernelError) as e:
-            self.payloads.get(req.comm, {}).pop((client, req.req), None)
+            self.payloads.discard(client, req)
             return self.refuse_post(client, req, _comm_error(e))
         if pair is not None:
             try:
-                job = make_p2p_job(comm, pair, self.arena, self.payload_of)
+                job = make_p2p_job(comm, pair, self.arena, self.payloads.take)
                 if self.clock is not None:
                     job.timing = self.clock.time(comm, pair)
                 self.scheduler.submit(job)
@@ -387,10 +362,10 @@ class Daemon:
                             f"{req.op.value} of {req.dtype} over {req.transport.value} cannot go rank to rank")
             return self.refuse_post(client, req, err)
         try:
-            self.check_payload(client, req, payload)
+            self.payloads.hold(client, req, payload, self.ledger.comms.get(req.comm))
             comm, matched = self.ledger.post(client, req)
         except (CommError, KernelError) as e:
-            self.payloads.get(req.comm, {}).pop((client, req.req), None)
+            self.payloads.discard(client, req)
             return self.refuse_post(client, req, _comm_error(e))
         # published once the ledger took it: a refused post was never enqueued
         self.events.publish_enqueued(req)
@@ -406,11 +381,11 @@ class Daemon:
             # clocked: the time every rank computed for itself from the same t_ready and figures
             t = self.clock.time(comm, matched) if self.clock is not None else _UNTIMED
             self.events.publish(s.CollectiveCompleted(comm=comm.comm, seq=req.seq, op=req.op, total_bytes=nbytes,
-                                               seconds=0.0, emulated_start=t.start, emulated_end=t.end,
-                                               algo=t.algo))
+                                                      seconds=0.0, emulated_start=t.start, emulated_end=t.end,
+                                                      algo=t.algo))
             return
         try:
-            job = make_job(comm, matched, self.arena, self.payload_of, self.buffers.view)
+            job = make_job(comm, matched, self.arena, self.payloads.take, self.buffers.view)
         except (ArenaError, KernelError, OSError) as e:
             return self.fail(comm, CommError("ncclInvalidArgument", str(e)), extra=matched)
         if self.clock is not None:
@@ -427,7 +402,7 @@ class Daemon:
 
     def fail(self, comm: Communicator, err: CommError, extra: list[Posted]) -> None:
         """Fail the communicator: every rank waiting in it gets the error."""
-        self.payloads.pop(comm.comm, None)  # nobody will run on the bytes its ranks sent
+        self.payloads.drop(comm.comm)  # nobody will run on the bytes its ranks sent
         waiting = self.ledger.fail(comm, err) + extra
         waiting += [p for job in self.scheduler.drop(comm) for p in job.posted]
         for p in waiting:
@@ -586,23 +561,6 @@ _HANDLERS: dict[type[s.Request], Callable[[Daemon, bytes, s.Request, Sequence[in
     s.RegisterBuffer: Daemon._register_buffer,
     s.ReleaseBuffers: Daemon._release_buffers,
 }
-
-
-def _payload(frames: Sequence[zmq.Frame]) -> tuple[str, Payload | None]:
-    """The bytes of a socket-transport collective's data frames, or why the frames are malformed.
-
-    Frames are MAX_DATA_FRAME_BYTES each but the last (1 byte to that), so
-    their count follows from the total and element boundaries never straddle
-    two frames. Several frames are read as one array without copying them.
-    """
-    if not frames:
-        return "", None
-    sizes = [len(f) for f in frames]
-    if any(n != MAX_FRAME_BYTES for n in sizes[:-1]) or not 0 < sizes[-1] <= MAX_FRAME_BYTES:
-        return (f"data frames of {sizes[:8]} bytes: each must be {MAX_FRAME_BYTES} bytes but the last, "
-                f"which holds 1 to {MAX_FRAME_BYTES}"), None
-    parts = [np.frombuffer(f.buffer, np.uint8) for f in frames]
-    return "", parts[0] if len(parts) == 1 else Segmented(parts)
 
 
 def _sent_back(p: Posted, out: np.ndarray) -> np.ndarray | None:
