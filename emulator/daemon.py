@@ -345,8 +345,7 @@ class Daemon:
         if pair is not None:
             try:
                 job = make_p2p_job(comm, pair, self.arena, self.payloads.take)
-                if self.clock is not None:
-                    job.timing = self.clock.time(comm, pair)
+                job.timing = self.timing(comm, pair)
                 self.scheduler.submit(job)
             except (ArenaError, KernelError, OSError) as e:
                 self.fail(comm, CommError("ncclInvalidArgument", str(e)), extra=pair)
@@ -379,7 +378,7 @@ class Daemon:
             nbytes = 0 if req.op is s.CollOp.BARRIER else req.numel * itemsize(req.dtype)
             self.events.publish(s.CollectiveStarted(comm=comm.comm, seq=req.seq, op=req.op, total_bytes=nbytes))
             # clocked: the time every rank computed for itself from the same t_ready and figures
-            t = self.clock.time(comm, matched) if self.clock is not None else _UNTIMED
+            t = self.timing(comm, matched) or _UNTIMED
             self.events.publish(s.CollectiveCompleted(comm=comm.comm, seq=req.seq, op=req.op, total_bytes=nbytes,
                                                       seconds=0.0, emulated_start=t.start, emulated_end=t.end,
                                                       algo=t.algo))
@@ -388,10 +387,13 @@ class Daemon:
             job = make_job(comm, matched, self.arena, self.payloads.take, self.buffers.view)
         except (ArenaError, KernelError, OSError) as e:
             return self.fail(comm, CommError("ncclInvalidArgument", str(e)), extra=matched)
-        if self.clock is not None:
-            job.timing = self.clock.time(comm, matched)
+        job.timing = self.timing(comm, matched)
         self.scheduler.submit(job)
         self.events.publish(s.CollectiveStarted(comm=comm.comm, seq=req.seq, op=req.op, total_bytes=job.total_bytes))
+
+    def timing(self, comm: Communicator, posted: list[Posted]) -> Timing | None:
+        """Clocked mode: the matched posts' place in emulated time; functional mode: None, no clock."""
+        return self.clock.time(comm, posted) if self.clock is not None else None
 
     def refuse_post(self, client: bytes, req: s.Collective, err: CommError) -> None:
         """A post the ledger will not take: its communicator fails (every rank waiting in it hears why)."""
@@ -499,19 +501,7 @@ class Daemon:
                 if sock is not self.router:
                     self.fast.ready(sock, flags)
             if self.router in ready:
-                for _ in range(256):  # bounded, so waves keep running under load
-                    try:
-                        client = self.router.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    if not self.router.get(zmq.RCVMORE):
-                        self.refuse(client, 0, ONE_FRAME)
-                        continue
-                    request = self.router.recv()
-                    data = []  # a socket-transport collective's bytes: kept as ZeroMQ received them, not copied
-                    while self.router.get(zmq.RCVMORE):
-                        data.append(self.router.recv(copy=False))
-                    self.handle(client, request, frames=data)
+                self.read_router()
             if self.scheduler.busy:
                 self.run_wave()
             now = time.monotonic()
@@ -520,16 +510,37 @@ class Daemon:
                 self.check_peers()
             if now >= next_scan:  # cheap, but not on every busy iteration
                 next_scan = now + HANG_SCAN_INTERVAL_S
-                busy = frozenset(
-                    job.comm.members[p.request.rank].global_rank for job in self.scheduler.jobs for p in job.posted
-                )
-                for finding in self.hangs.scan(self.ledger, now, busy):
-                    self.events.publish(finding)
-                for finding in self.hangs.scan_worlds(self.worlds, self.ranks.alive, now):
-                    self.events.publish(finding)
+                self.scan_hangs(now)
             self.events.flush(force=False)
             if orphaned(parent):
                 break  # the session is gone: nobody is left to serve
+
+    def read_router(self) -> None:
+        """Handle the requests waiting on the ZeroMQ socket, each with the data frames that follow it."""
+        for _ in range(256):  # bounded, so waves keep running under load
+            try:
+                client = self.router.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if not self.router.get(zmq.RCVMORE):
+                self.refuse(client, 0, ONE_FRAME)
+                continue
+            request = self.router.recv()
+            data = []  # a socket-transport collective's bytes: kept as ZeroMQ received them, not copied
+            while self.router.get(zmq.RCVMORE):
+                data.append(self.router.recv(copy=False))
+            self.handle(client, request, frames=data)
+
+    def scan_hangs(self, now: float) -> None:
+        """Publish what the hang detector finds in the ledger and in the worlds being formed."""
+        # ranks whose collective is running in the scheduler: waiting for the daemon, not for a peer
+        busy = frozenset(
+            job.comm.members[p.request.rank].global_rank for job in self.scheduler.jobs for p in job.posted
+        )
+        for finding in self.hangs.scan(self.ledger, now, busy):
+            self.events.publish(finding)
+        for finding in self.hangs.scan_worlds(self.worlds, self.ranks.alive, now):
+            self.events.publish(finding)
 
     def stop_orphans(self) -> None:
         """The session is gone: stop the ranks it left (they would wait on nobody) and remove its arenas."""
