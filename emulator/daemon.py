@@ -1,10 +1,12 @@
 """The emulator daemon: one per session, owner of the emulated GPUs' collectives.
 
-Single-threaded on purpose: one loop polls the ZeroMQ ROUTER socket and the fast
-socket (:mod:`emulator.fast_socket`), feeds each request (:meth:`Daemon.handle`)
-to the ledger, and between polls runs one wave of the scheduler
-(:meth:`Daemon.run_wave`), whose finished jobs become replies and events
-(:meth:`Daemon.finish`). No locks, and the order in which things happen is the
+Single-threaded on purpose: one loop (:meth:`Daemon.serve`) polls the ZeroMQ
+ROUTER socket and the fast socket (:mod:`emulator.fast_socket`) and answers each
+request (:meth:`Daemon.handle`: framing and authentication first, in
+:meth:`Daemon.admit`, then the handler of the request's type, from
+:data:`_HANDLERS`); between polls it runs one wave of the scheduler
+(:meth:`emulator.collectives.Collectives.run_wave`), whose finished jobs become
+replies and events. No locks, and the order in which things happen is the
 order events are published.
 
 Sockets are ``ipc://`` files in the session's 0700 run directory; every request
@@ -14,10 +16,11 @@ must carry the session token; anything malformed gets an ``Error`` reply and a
 with CURVE (:func:`listen_tcp`); the daemon then checks only its own host's
 processes, and hears of another host's from the session (``RankExited``).
 
-Over 600 lines on purpose: the loop, the request dispatch and a job's finish
-are one sequence of steps a reader follows top to bottom; what stands on its own
-lives beside it (the fast socket, ledger, scheduler, kernels, hang and straggler
-detection, the collective clock).
+The daemon is the server: sockets, loop, one small handler per request. Each
+concern it serves is an object it owns: the collectives
+(:mod:`emulator.collectives`: ledger, scheduler, arenas, lent buffers, socket
+bytes), the rank processes (:mod:`emulator.ranks`), the events going out
+(:mod:`emulator.events`), hang detection (:mod:`emulator.hang`).
 """
 
 from __future__ import annotations
@@ -35,26 +38,21 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import zmq
 
-from emulator.buffers import RankBuffers
 from emulator.collective_clock import CollectiveClock
+from emulator.collectives import Collectives
 from emulator.events import EventPublisher
 from emulator.fast_socket import FastSocketServer, is_fast
 from emulator.hang import HangDetector
-from emulator.ledger import CommError, Communicator, Ledger, Posted, Worlds
+from emulator.ledger import CommError, Worlds
 from emulator.lifetime import die_with_parent, orphaned, stop_orphans
-from emulator.payloads import Payload, SocketPayloads, from_frames
+from emulator.payloads import Payload, from_frames
 from emulator.ranks import RankProcesses
-from emulator.scheduler import Job, WaveScheduler, make_job, make_p2p_job
-from emulator.straggler import StragglerDetector
 from wire import schema as s
-from wire.arena import Arena, ArenaError, check_name
-from wire.collective_timing import Timing
+from wire.arena import ArenaError
 from wire.endpoints import TCP_ENDPOINT_FILE, endpoints
-from wire.kernels import DTYPES, KernelError, itemsize
+from wire.kernels import KernelError
 from wire.profiles import load_profile
 
-#: How often progress events go out for one collective, at most.
-PROGRESS_INTERVAL_S = 0.05
 HANG_SCAN_INTERVAL_S = 0.1
 PEER_CHECK_INTERVAL_S = 0.02
 #: Refused requests written to daemon.log one by one; after that, one line per thousand.
@@ -66,8 +64,6 @@ _MEMORY_FIELDS = ("rank", "node", "device", "allocated", "reserved", "peak", "to
 #: what a StepReport passes on, unchanged, as a ClockedStep event
 _STEP_FIELDS = ("rank", "node", "step", "t_start", "t_end", "compute_s", "comm_s", "exposed_comm_s", "ops",
                 "bytes_only_ops")
-#: a functional-mode job's place in emulated time: none
-_UNTIMED = Timing(0.0, 0.0, "")
 #: Frames above this are cut off by ZeroMQ (the connection is dropped) before they are buffered;
 #: request frames between ``schema.MAX_MESSAGE_BYTES`` and this get an error reply. Data frames
 #: (the socket transport) may be this big.
@@ -115,7 +111,7 @@ class Daemon:
         self.gpus_per_node = gpus_per_node
         self.exec_mode = exec_mode
         # clocked mode: each collective's place in emulated time (None: functional mode, no clock)
-        self.clock = CollectiveClock(load_profile(profile)) if exec_mode == "clocked" else None
+        clock = CollectiveClock(load_profile(profile)) if exec_mode == "clocked" else None
         # two I/O threads: socket-transport frames from and to different ranks move in parallel (one
         # thread moves about 1.5 GB/s through a unix socket here; two halved a 32 MiB all-reduce's time)
         self.ctx = zmq.Context(io_threads=2)
@@ -131,21 +127,17 @@ class Daemon:
             with open(os.path.join(run_dir, TCP_ENDPOINT_FILE), "w") as f:
                 f.write(tcp)
         self.events = EventPublisher(self.ctx, events)
-        self.buffers = RankBuffers()  # tensors ranks registered, mapped (zero-copy collectives)
+        self.ranks = RankProcesses(socket.gethostname())  # which process is each rank, and is it alive
+        self.collectives = Collectives(session, gpus_per_node, clock, self.events, self.reply, self.ranks)
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
         # ranks' requests without data frames, one datagram each (see emulator/fast_socket.py)
         self.fast = FastSocketServer(run_dir, self.poller, on_request=self.handle,
                                      on_refuse=lambda client, why: self.refuse(client, 0, why),
-                                     on_drop=self.buffers.drop)  # a rank's buffers never outlive its connection
-        self.ledger = Ledger()
+                                     # a rank's buffers never outlive its connection
+                                     on_drop=self.collectives.buffers.drop)
         self.worlds = Worlds()  # init_process_group calls waiting for their peers
-        self.scheduler = WaveScheduler()
         self.hangs = HangDetector(hang_timeout_s)
-        self.stragglers = StragglerDetector()
-        self.ranks = RankProcesses(socket.gethostname())  # which process is each rank, and is it alive
-        self.arenas: dict[str, Arena] = {}
-        self.payloads = SocketPayloads()  # socket-transport inputs received and not yet consumed
         self.running = True
         self.refused = 0  # requests refused so far (bad token, malformed)
 
@@ -164,17 +156,6 @@ class Daemon:
                 self.router.send_multipart([client, s.encode(msg), data], zmq.NOBLOCK, copy=False)
         except zmq.ZMQError:
             pass  # the client is gone; its rank will be reported dead by the session
-
-    def arena(self, name: str) -> Arena:
-        arena = self.arenas.get(name)
-        if arena is None:
-            check_name(name, self.session)
-            # a rank that grew its arena unlinked the old generation: let go of our mapping too
-            owner = name.rsplit("-g", 1)[0] + "-g"
-            for old in [n for n in self.arenas if n.startswith(owner)]:
-                self.arenas.pop(old).close()
-            arena = self.arenas[name] = Arena.open(name)
-        return arena
 
     # ------------------------------------------------------------ requests
 
@@ -209,7 +190,8 @@ class Daemon:
 
         Data frames may follow only a socket-transport collective, every request
         must carry the session token, and the frames must be whole (see
-        :func:`emulator.payloads.from_frames`); anything else is refused before any handler sees it.
+        :func:`emulator.payloads.from_frames`); anything else is refused before
+        any handler sees it.
         """
         try:
             msg = s.decode(data)
@@ -239,9 +221,9 @@ class Daemon:
     def _collective(self, client: bytes, msg: s.Collective, fds: Sequence[int], payload: Payload | None) -> None:
         """A collective or a point-to-point half, posted to the ledger; answered when it completes."""
         if msg.op is s.CollOp.SEND or msg.op is s.CollOp.RECV:
-            self.post_p2p(client, msg, payload)
+            self.collectives.post_p2p(client, msg, payload)
         else:
-            self.post(client, msg, payload)
+            self.collectives.post(client, msg, payload)
 
     def _ping(self, client: bytes, msg: s.Ping, fds: Sequence[int], payload: Payload | None) -> None:
         """The session's readiness probe: ``daemon_ready`` again, for a subscriber that joined late."""
@@ -298,7 +280,7 @@ class Daemon:
         """A rank joins a communicator."""
         if not 1 <= msg.size <= MAX_COMM_SIZE:  # the ledger and the hang scan walk every rank
             raise CommError("ncclInvalidArgument", f"communicator size {msg.size} is outside 1..{MAX_COMM_SIZE}")
-        self.ledger.join(msg)
+        self.collectives.ledger.join(msg)
         self.reply(client, s.Ok(req=msg.req))
         self.events.publish(
             s.CommJoined(
@@ -310,16 +292,17 @@ class Daemon:
     def _register_buffer(self, client: bytes, msg: s.RegisterBuffer, fds: Sequence[int],
                          payload: Payload | None) -> None:
         """A rank lends a tensor's storage (the descriptor in ``fds``) for zero-copy collectives."""
-        self.buffers.register(client, msg.buf, msg.nbytes, list(fds))
+        self.collectives.buffers.register(client, msg.buf, msg.nbytes, list(fds))
         self.reply(client, s.Ok(req=msg.req))
 
     def _release_buffers(self, client: bytes, msg: s.ReleaseBuffers, fds: Sequence[int],
                          payload: Payload | None) -> None:
         """A rank's lent storages died: unmap them."""
-        self.buffers.release(client, msg.bufs)
+        self.collectives.buffers.release(client, msg.bufs)
         self.reply(client, s.Ok(req=msg.req))
 
     def refuse(self, client: bytes, req: int, why: str) -> None:
+        """Answer a request that is not one (malformed, unauthorized) with a ``protocol`` error, and say so."""
         self.reply(client, s.Error(req=req, code="protocol", message=why))
         self.events.publish(s.ProtocolError(message=why))
         # daemon.log too: the first refusals with their reason, then one line per thousand (a flood stays small)
@@ -329,87 +312,11 @@ class Daemon:
                   file=sys.stderr, flush=True)
 
     def publish_ready(self) -> None:
+        """``daemon_ready``: this daemon's pid and what it emulates."""
         self.events.publish(
             s.DaemonReady(pid=os.getpid(), profile=self.profile, nodes=self.nodes, gpus_per_node=self.gpus_per_node,
                           exec_mode=self.exec_mode)
         )
-
-    def post_p2p(self, client: bytes, req: s.Collective, payload: Payload | None) -> None:
-        """A send or receive; the copy runs in the scheduler once both halves are posted."""
-        try:
-            self.payloads.hold(client, req, payload, self.ledger.comms.get(req.comm))
-            comm, pair = self.ledger.post_p2p(client, req)
-        except (CommError, KernelError) as e:
-            self.payloads.discard(client, req)
-            return self.refuse_post(client, req, _comm_error(e))
-        if pair is not None:
-            try:
-                job = make_p2p_job(comm, pair, self.arena, self.payloads.take)
-                job.timing = self.timing(comm, pair)
-                self.scheduler.submit(job)
-            except (ArenaError, KernelError, OSError) as e:
-                self.fail(comm, CommError("ncclInvalidArgument", str(e)), extra=pair)
-
-    def post(self, client: bytes, req: s.Collective, payload: Payload | None) -> None:
-        if not 0 <= req.device < self.gpus_per_node:
-            err = CommError(
-                "ncclInvalidArgument", f"device {req.device} is not one of this node's {self.gpus_per_node} GPUs"
-            )
-            return self.refuse_post(client, req, err)
-        if req.direct and (req.op not in s.DIRECT_OPS or req.transport is not s.Transport.SHM or req.dtype not in DTYPES):
-            err = CommError("ncclInvalidArgument",
-                            f"{req.op.value} of {req.dtype} over {req.transport.value} cannot go rank to rank")
-            return self.refuse_post(client, req, err)
-        try:
-            self.payloads.hold(client, req, payload, self.ledger.comms.get(req.comm))
-            comm, matched = self.ledger.post(client, req)
-        except (CommError, KernelError) as e:
-            self.payloads.discard(client, req)
-            return self.refuse_post(client, req, _comm_error(e))
-        # published once the ledger took it: a refused post was never enqueued
-        self.events.publish_enqueued(req)
-        if matched is None:
-            return
-        warning = self.stragglers.observe(comm, matched)
-        if warning is not None and warning.rank not in self.ranks.debugged:
-            self.events.publish(warning)
-        if req.direct:  # the ranks moved the data themselves: only the books to keep, nobody to answer
-            self.ledger.complete(comm, req.seq)
-            nbytes = 0 if req.op is s.CollOp.BARRIER else req.numel * itemsize(req.dtype)
-            self.events.publish(s.CollectiveStarted(comm=comm.comm, seq=req.seq, op=req.op, total_bytes=nbytes))
-            # clocked: the time every rank computed for itself from the same t_ready and figures
-            t = self.timing(comm, matched) or _UNTIMED
-            self.events.publish(s.CollectiveCompleted(comm=comm.comm, seq=req.seq, op=req.op, total_bytes=nbytes,
-                                                      seconds=0.0, emulated_start=t.start, emulated_end=t.end,
-                                                      algo=t.algo))
-            return
-        try:
-            job = make_job(comm, matched, self.arena, self.payloads.take, self.buffers.view)
-        except (ArenaError, KernelError, OSError) as e:
-            return self.fail(comm, CommError("ncclInvalidArgument", str(e)), extra=matched)
-        job.timing = self.timing(comm, matched)
-        self.scheduler.submit(job)
-        self.events.publish(s.CollectiveStarted(comm=comm.comm, seq=req.seq, op=req.op, total_bytes=job.total_bytes))
-
-    def timing(self, comm: Communicator, posted: list[Posted]) -> Timing | None:
-        """Clocked mode: the matched posts' place in emulated time; functional mode: None, no clock."""
-        return self.clock.time(comm, posted) if self.clock is not None else None
-
-    def refuse_post(self, client: bytes, req: s.Collective, err: CommError) -> None:
-        """A post the ledger will not take: its communicator fails (every rank waiting in it hears why)."""
-        comm = self.ledger.comms.get(req.comm)
-        if comm is None or comm.failed is err:
-            raise err  # answered by handle(): nobody else is waiting on it
-        self.fail(comm, err, extra=[Posted(client, req)])
-
-    def fail(self, comm: Communicator, err: CommError, extra: list[Posted]) -> None:
-        """Fail the communicator: every rank waiting in it gets the error."""
-        self.payloads.drop(comm.comm)  # nobody will run on the bytes its ranks sent
-        waiting = self.ledger.fail(comm, err) + extra
-        waiting += [p for job in self.scheduler.drop(comm) for p in job.posted]
-        for p in waiting:
-            self.reply(p.client, s.Error(req=p.request.req, code=err.code, message=err.message))
-        self.events.publish(s.CommFailed(comm=comm.comm, code=err.code, message=err.message))
 
     def rank_gone(self, rank: int, how: str) -> None:
         """``rank``'s process is gone: the books say how, and the session hears of it."""
@@ -421,72 +328,9 @@ class Daemon:
             self.rank_gone(rank, f"rank {rank} (pid {pid}) exited")
         for rank in self.ranks.left_debugger():  # its peers' waits are hangs (or failures) again
             self.hangs.debugger(rank, stopped=False)
-        dead = self.ranks.dead
-        for comm in self.ledger.comms.values():
-            if comm.failed or not comm.posted:
-                continue  # an idle communicator of a finished rank is fine until someone posts to it
-            gone = [g for m in comm.members.values() if (g := m.global_rank) in dead]
-            seq = min(comm.posted)
-            waiting = sorted(
-                g for r in comm.posted[seq] if (g := comm.members[r].global_rank) not in dead
-            )
-            if gone and waiting:  # nobody alive waiting (a teardown): nothing to tell
-                joined = {comm.members[r].global_rank for r in comm.posted[seq]}
-                culprit = min(gone, key=lambda g: g in joined)  # one that never came, if any
-                waiters = ", ".join(map(str, waiting))
-                err = CommError(
-                    "ncclRemoteError", f"{dead[culprit]} while ranks {{{waiters}}} wait in collective #{seq}"
-                )
-                self.fail(comm, err, extra=[])
+        self.collectives.fail_waits_on(self.ranks.dead)
 
-    # ------------------------------------------------------------ execution
-
-    def run_wave(self) -> None:
-        progressed, finished = self.scheduler.run_wave()
-        now = time.monotonic()
-        for job in progressed:
-            if job.done >= job.total or now - job.last_progress < PROGRESS_INTERVAL_S:
-                continue
-            job.last_progress = now
-            req = job.first
-            self.events.publish(
-                s.CollectiveProgress(
-                    comm=req.comm, seq=req.seq, done_bytes=job.done * job.itemsize, total_bytes=job.total_bytes
-                )
-            )
-        for job in finished:
-            self.finish(job)
-
-    def finish(self, job: Job) -> None:
-        req = job.first
-        if job.error is not None:
-            traceback.print_exception(job.error)
-            err = CommError("ncclInternalError", f"collective #{req.seq} ({req.op.value}) failed in the emulator: {job.error}")
-            return self.fail(job.comm, err, extra=job.posted)
-        t = job.timing or _UNTIMED
-        if req.op is s.CollOp.SEND:  # point-to-point: no collective sequence to advance
-            for p, out in zip(job.posted, job.outputs):
-                self.reply(p.client, s.Done(req=p.request.req, comm=req.comm, seq=req.seq, t_start=t.start,
-                                            t_end=t.end, algo=t.algo), _sent_back(p, out))
-                scratch = self.arenas.pop(p.request.arena, None)  # one buffer per message: done with it
-                if scratch is not None:
-                    scratch.close()
-            return
-        self.ledger.complete(job.comm, req.seq)
-        first = req.seq == 1
-        devices = [p.request.device for p in job.posted] if first else []
-        hosts = [job.comm.members[p.request.rank].host for p in job.posted] if first else []
-        for p, out in zip(job.posted, job.outputs):
-            # a broadcast's root has its output already: it is the input it sent
-            back = None if req.op is s.CollOp.BROADCAST and p.request.rank == req.root else _sent_back(p, out)
-            self.reply(p.client, s.Done(req=p.request.req, comm=req.comm, seq=req.seq, devices=devices, hosts=hosts,
-                                        t_start=t.start, t_end=t.end, algo=t.algo), back)
-        self.events.publish(
-            s.CollectiveCompleted(
-                comm=req.comm, seq=req.seq, op=req.op, total_bytes=job.total_bytes,
-                seconds=time.monotonic() - job.started, emulated_start=t.start, emulated_end=t.end, algo=t.algo,
-            )
-        )
+    # ------------------------------------------------------------ the loop
 
     def serve(self) -> None:
         """The loop: take requests, run a wave, repeat; exits when ``running`` drops."""
@@ -495,15 +339,15 @@ class Daemon:
         self.publish_ready()
         while self.running:
             # queued events wake the loop up to go out even if nothing else happens
-            wait_s = 0.0 if self.scheduler.busy else self.events.wait_s(PEER_CHECK_INTERVAL_S)
+            wait_s = 0.0 if self.collectives.busy else self.events.wait_s(PEER_CHECK_INTERVAL_S)
             ready = dict(self.poller.poll(wait_s * 1000))
             for sock, flags in ready.items():
                 if sock is not self.router:
                     self.fast.ready(sock, flags)
             if self.router in ready:
                 self.read_router()
-            if self.scheduler.busy:
-                self.run_wave()
+            if self.collectives.busy:
+                self.collectives.run_wave()
             now = time.monotonic()
             if now >= next_peer_check:  # often: the first rank to go is the one to name
                 next_peer_check = now + PEER_CHECK_INTERVAL_S
@@ -533,11 +377,7 @@ class Daemon:
 
     def scan_hangs(self, now: float) -> None:
         """Publish what the hang detector finds in the ledger and in the worlds being formed."""
-        # ranks whose collective is running in the scheduler: waiting for the daemon, not for a peer
-        busy = frozenset(
-            job.comm.members[p.request.rank].global_rank for job in self.scheduler.jobs for p in job.posted
-        )
-        for finding in self.hangs.scan(self.ledger, now, busy):
+        for finding in self.hangs.scan(self.collectives.ledger, now, self.collectives.busy_ranks()):
             self.events.publish(finding)
         for finding in self.hangs.scan_worlds(self.worlds, self.ranks.alive, now):
             self.events.publish(finding)
@@ -548,10 +388,9 @@ class Daemon:
         stop_orphans(self.session, self.ranks.local_pids())
 
     def close(self) -> None:
+        """Send the last events, unmap the ranks' memory, close the sockets."""
         self.events.close()
-        for arena in self.arenas.values():
-            arena.close()
-        self.buffers.close()
+        self.collectives.close()
         self.fast.close()
         self.router.close(0)
         self.ctx.term()
@@ -572,15 +411,6 @@ _HANDLERS: dict[type[s.Request], Callable[[Daemon, bytes, s.Request, Sequence[in
     s.RegisterBuffer: Daemon._register_buffer,
     s.ReleaseBuffers: Daemon._release_buffers,
 }
-
-
-def _sent_back(p: Posted, out: np.ndarray) -> np.ndarray | None:
-    """What goes back to the rank after ``Done``: a socket-transport rank's output, if it has one."""
-    return out if p.request.transport is s.Transport.SOCKET and out.size else None
-
-
-def _comm_error(e: CommError | KernelError) -> CommError:
-    return e if isinstance(e, CommError) else CommError("ncclInvalidArgument", str(e))
 
 
 def run(run_dir: str, session: str, token: str, profile: str, nodes: int, gpus_per_node: int,
