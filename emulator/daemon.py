@@ -1,10 +1,12 @@
 """The emulator daemon: one per session, owner of the emulated GPUs' collectives.
 
-Single-threaded on purpose: one loop polls the ZeroMQ ROUTER socket and the fast
-socket (:mod:`emulator.fast_socket`), feeds each request (:meth:`Daemon.handle`)
-to the ledger, and between polls runs one wave of the scheduler
-(:meth:`Daemon.run_wave`), whose finished jobs become replies and events
-(:meth:`Daemon.finish`). No locks, and the order in which things happen is the
+Single-threaded on purpose: one loop (:meth:`Daemon.serve`) polls the ZeroMQ
+ROUTER socket and the fast socket (:mod:`emulator.fast_socket`) and answers each
+request (:meth:`Daemon.handle`: framing and authentication first, in
+:meth:`Daemon.admit`, then the handler of the request's type, from
+:data:`_HANDLERS`); between polls it runs one wave of the scheduler
+(:meth:`emulator.collectives.Collectives.run_wave`), whose finished jobs become
+replies and events. No locks, and the order in which things happen is the
 order events are published.
 
 Sockets are ``ipc://`` files in the session's 0700 run directory; every request
@@ -14,10 +16,11 @@ must carry the session token; anything malformed gets an ``Error`` reply and a
 with CURVE (:func:`listen_tcp`); the daemon then checks only its own host's
 processes, and hears of another host's from the session (``RankExited``).
 
-Over 600 lines on purpose: the loop, the request dispatch and a job's finish
-are one sequence of steps a reader follows top to bottom; what stands on its own
-lives beside it (the fast socket, ledger, scheduler, kernels, hang and straggler
-detection, the collective clock).
+The daemon is the server: sockets, loop, one small handler per request. Each
+concern it serves is an object it owns: the collectives
+(:mod:`emulator.collectives`: ledger, scheduler, arenas, lent buffers, socket
+bytes), the rank processes (:mod:`emulator.ranks`), the events going out
+(:mod:`emulator.events`), hang detection (:mod:`emulator.hang`).
 """
 
 from __future__ import annotations
@@ -30,35 +33,28 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import zmq
 
-from emulator.buffers import RankBuffers
 from emulator.collective_clock import CollectiveClock
+from emulator.collectives import Collectives
+from emulator.events import EventPublisher
 from emulator.fast_socket import FastSocketServer, is_fast
 from emulator.hang import HangDetector
-from emulator.ledger import CommError, Communicator, Ledger, Posted, Worlds
+from emulator.ledger import CommError, Worlds
 from emulator.lifetime import die_with_parent, orphaned, stop_orphans
-from emulator.scheduler import Job, WaveScheduler, input_elements, make_job, make_p2p_job
-from emulator.straggler import StragglerDetector
+from emulator.payloads import Payload, from_frames
+from emulator.ranks import RankProcesses
 from wire import schema as s
-from wire.arena import Arena, ArenaError, check_name
-from wire.collective_timing import Timing
+from wire.arena import ArenaError
 from wire.endpoints import TCP_ENDPOINT_FILE, endpoints
-from wire.kernels import DTYPES, KernelError, Segmented, itemsize
-from wire.procfs import alive
+from wire.kernels import KernelError
 from wire.profiles import load_profile
 
-#: How often progress events go out for one collective, at most.
-PROGRESS_INTERVAL_S = 0.05
 HANG_SCAN_INTERVAL_S = 0.1
 PEER_CHECK_INTERVAL_S = 0.02
-#: How long a published event may wait to go out with later ones. One PUB frame per loop pass
-#: woke the daemon's I/O thread and three threads of the session for every collective; on two
-#: cores that CPU came out of the collectives' latency. Nothing reads events faster than this.
-EVENT_BATCH_S = 0.01
 #: Refused requests written to daemon.log one by one; after that, one line per thousand.
 REFUSALS_LOGGED = 20
 #: Largest communicator: mirage's largest cluster (1024 nodes x 64 GPUs).
@@ -68,8 +64,6 @@ _MEMORY_FIELDS = ("rank", "node", "device", "allocated", "reserved", "peak", "to
 #: what a StepReport passes on, unchanged, as a ClockedStep event
 _STEP_FIELDS = ("rank", "node", "step", "t_start", "t_end", "compute_s", "comm_s", "exposed_comm_s", "ops",
                 "bytes_only_ops")
-#: a functional-mode job's place in emulated time: none
-_UNTIMED = Timing(0.0, 0.0, "")
 #: Frames above this are cut off by ZeroMQ (the connection is dropped) before they are buffered;
 #: request frames between ``schema.MAX_MESSAGE_BYTES`` and this get an error reply. Data frames
 #: (the socket transport) may be this big.
@@ -94,7 +88,7 @@ def listen_tcp(sock: zmq.Socket, address: str, secret_key_file: str) -> str:
         secret = f.read().strip()
     # libzmq checks a message's size as it arrives, and over CURVE that is the box around it: a full data
     # frame is bigger there than its bytes, and the daemon's limit would drop the rank's connection, its
-    # collective lost with it (the frames' sizes are checked exactly once decrypted, in ``_payload``)
+    # collective lost with it (the frames' sizes are checked exactly once decrypted, in ``payloads.from_frames``)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + CURVE_BOX_BYTES)
     sock.curve_secretkey = secret
     sock.curve_publickey = zmq.curve_public(secret)
@@ -110,7 +104,6 @@ class Daemon:
                  hang_timeout_s: float = 30.0, exec_mode: str = "functional", listen: str = "",
                  secret_key_file: str = ""):
         self.session = session
-        self.host = socket.gethostname()  # ranks on another host are watched by their host's agent
         self.token = token
         self._token_bytes = token.encode()
         self.profile = profile
@@ -118,7 +111,7 @@ class Daemon:
         self.gpus_per_node = gpus_per_node
         self.exec_mode = exec_mode
         # clocked mode: each collective's place in emulated time (None: functional mode, no clock)
-        self.clock = CollectiveClock(load_profile(profile)) if exec_mode == "clocked" else None
+        clock = CollectiveClock(load_profile(profile)) if exec_mode == "clocked" else None
         # two I/O threads: socket-transport frames from and to different ranks move in parallel (one
         # thread moves about 1.5 GB/s through a unix socket here; two halved a 32 MiB all-reduce's time)
         self.ctx = zmq.Context(io_threads=2)
@@ -133,95 +126,22 @@ class Daemon:
             tcp = listen_tcp(self.router, listen, secret_key_file)
             with open(os.path.join(run_dir, TCP_ENDPOINT_FILE), "w") as f:
                 f.write(tcp)
-        self.pub = self.ctx.socket(zmq.PUB)
-        self.pub.setsockopt(zmq.SNDHWM, 0)  # events are never dropped for a slow session
-        self.pub.setsockopt(zmq.LINGER, 2000)
-        self.pub.bind(events)
-        self.buffers = RankBuffers()  # tensors ranks registered, mapped (zero-copy collectives)
+        self.events = EventPublisher(self.ctx, events)
+        self.ranks = RankProcesses(socket.gethostname())  # which process is each rank, and is it alive
+        self.collectives = Collectives(session, gpus_per_node, clock, self.events, self.reply, self.ranks)
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
         # ranks' requests without data frames, one datagram each (see emulator/fast_socket.py)
         self.fast = FastSocketServer(run_dir, self.poller, on_request=self.handle,
                                      on_refuse=lambda client, why: self.refuse(client, 0, why),
-                                     on_drop=self.buffers.drop)  # a rank's buffers never outlive its connection
-        self.ledger = Ledger()
+                                     # a rank's buffers never outlive its connection
+                                     on_drop=self.collectives.buffers.drop)
         self.worlds = Worlds()  # init_process_group calls waiting for their peers
-        self.scheduler = WaveScheduler()
         self.hangs = HangDetector(hang_timeout_s)
-        self.stragglers = StragglerDetector()
-        self.rank_pids: dict[int, int] = {}  # global rank -> pid, from Hello
-        self.rank_hosts: dict[int, str] = {}  # global rank -> the host its pid is on, from Hello
-        self.gone_elsewhere: set[tuple[str, int]] = set()  # (host, pid) another host's agent saw exit
-        self.dead: dict[int, str] = {}  # global rank -> how it went
-        # global rank -> pid of ranks that stopped in a debugger (--debug-rank) in this run: their waits are
-        # not hangs while they are stopped, and their arrival times say nothing about stragglers
-        self.debugged: dict[int, int] = {}
-        self.arenas: dict[str, Arena] = {}
-        # socket-transport inputs received and not yet consumed: comm -> (client, req id) -> the
-        # rank's bytes (its data frames, unchanged), kept per communicator so a failure drops them all
-        self.payloads: dict[str, dict[tuple[bytes, int], np.ndarray | Segmented]] = {}
         self.running = True
-        self._outbox: list[bytes] = []  # encoded events, waiting for their batch
-        self._fresh: list[s.Event | bytes] = []  # events published in this turn of the loop, not encoded yet
-        self._enqueued: dict[tuple, tuple[bytes, bytes, bytes]] = {}  # see publish_enqueued
-        self._outbox_since = 0.0  # when the oldest queued event was published
         self.refused = 0  # requests refused so far (bad token, malformed)
 
     # ------------------------------------------------------------ plumbing
-
-    def publish(self, event: s.Event) -> None:
-        """Queue an event; :meth:`flush_events` sends the queue as one frame (one send, not one per event)."""
-        self._queue(event)
-
-    def _queue(self, event: s.Event | bytes) -> None:
-        """Queue an event, or an encoded one, for :meth:`flush_events`; the first of a batch starts its clock."""
-        if not self._outbox and not self._fresh:
-            self._outbox_since = time.monotonic()
-        self._fresh.append(event)
-
-    def publish_enqueued(self, req: s.Collective) -> None:
-        """``publish(CollectiveEnqueued(...))`` for ``req``: the same line, from a template.
-
-        One per rank per collective, the most frequent event: built and encoded
-        it was a sixth of a small all-reduce's daemon time. Only its time and
-        sequence number change from one call of the same rank at the same site
-        to the next, so the rest is encoded once per (rank, call site, shape).
-        """
-        key = (req.comm, req.rank, req.op, req.dtype, req.numel, req.device, req.site, req.transport)
-        parts = self._enqueued.get(key)
-        if parts is None:
-            if len(self._enqueued) >= 4096:  # many shapes or sites: start over rather than grow
-                self._enqueued.clear()
-            line = s.encode(s.CollectiveEnqueued(
-                t=1.5, comm=req.comm, seq=123456789, rank=req.rank, op=req.op, dtype=req.dtype, numel=req.numel,
-                device=req.device, site=req.site, transport=req.transport,
-            ))
-            # neither can occur inside a JSON string (its quotes would be escaped there)
-            head, rest = line.split(b'"t":1.5,', 1)
-            middle, tail = rest.split(b',"seq":123456789,', 1)
-            parts = self._enqueued[key] = (head + b'"t":', b"," + middle + b',"seq":', b"," + tail)
-        head, middle, tail = parts
-        self._queue(b"".join((head, repr(time.time()).encode(), middle, str(req.seq).encode(), tail)))
-
-    def flush_events(self, force: bool = True) -> None:
-        """Send the queued events in the order they were published; unless ``force``, only once the
-        oldest has waited ``EVENT_BATCH_S``.
-
-        Events are encoded here, at the end of the loop's turn (``serve`` calls
-        this last), not when published: the last request of a small collective
-        no longer waits for its own events (enqueued, started) to be encoded
-        before the replies go out.
-        """
-        if self._fresh:
-            for event in self._fresh:
-                try:
-                    self._outbox.append(event if type(event) is bytes else s.encode(event))
-                except Exception:  # a bug in one event must not stop the loop (nor lose the others)
-                    traceback.print_exc()
-            self._fresh = []
-        if self._outbox and (force or time.monotonic() - self._outbox_since >= EVENT_BATCH_S):
-            self.pub.send(s.encode_events(self._outbox))
-            self._outbox = []
 
     def reply(self, client: bytes, msg: s.Reply, data: np.ndarray | None = None) -> None:
         """Send ``msg`` to ``client``; ``data`` (a socket-transport output) follows as one frame, not copied."""
@@ -237,101 +157,26 @@ class Daemon:
         except zmq.ZMQError:
             pass  # the client is gone; its rank will be reported dead by the session
 
-    def payload_of(self, p: Posted) -> np.ndarray | Segmented | None:
-        """The bytes a socket-transport rank sent with its request (taken: each is consumed once)."""
-        return self.payloads.get(p.request.comm, {}).pop((p.client, p.request.req), None)
-
-    def arena(self, name: str) -> Arena:
-        arena = self.arenas.get(name)
-        if arena is None:
-            check_name(name, self.session)
-            # a rank that grew its arena unlinked the old generation: let go of our mapping too
-            owner = name.rsplit("-g", 1)[0] + "-g"
-            for old in [n for n in self.arenas if n.startswith(owner)]:
-                self.arenas.pop(old).close()
-            arena = self.arenas[name] = Arena.open(name)
-        return arena
-
     # ------------------------------------------------------------ requests
 
     def handle(self, client: bytes, data: bytes, fds: Sequence[int] = (), frames: Sequence[zmq.Frame] = ()) -> None:
         """Answer one request; ``fds`` came with it (fast socket), ``frames`` after it (socket-transport
-        collectives, over ZeroMQ)."""
+        collectives, over ZeroMQ).
+
+        :meth:`admit` decodes and authenticates it, then its type's handler in
+        :data:`_HANDLERS` runs; whatever a handler raises becomes the rank's
+        ``Error`` reply, never an exception out of the loop.
+        """
+        admitted = self.admit(client, data, frames)
+        if admitted is None:
+            return
+        msg, payload = admitted
         try:
-            msg = s.decode(data)
-        except s.SchemaError as e:
-            return self.refuse(client, 0, ONE_FRAME if frames else f"malformed request: {e}")
-        with_frames = isinstance(msg, s.Collective) and msg.transport is s.Transport.SOCKET
-        if frames and not with_frames:
-            return self.refuse(client, msg.req if isinstance(msg, s.Request) else 0, ONE_FRAME)
-        if not isinstance(msg, s.Request):
-            return self.refuse(client, 0, f"{msg.TYPE!r} is not a request")
-        # surrogatepass: JSON may carry a lone surrogate ("\ud800"), which strict utf-8 refuses
-        if not hmac.compare_digest(msg.token.encode("utf-8", "surrogatepass"), self._token_bytes):
-            return self.refuse(client, msg.req, "unauthorized: wrong or missing session token")
-        why, payload = _payload(frames) if with_frames else ("", None)
-        if why:
-            return self.refuse(client, msg.req, f"malformed request: {why}")
-        try:
-            if type(msg) is s.Collective:  # first: one per rank per collective, the rest are rare
-                if msg.op is s.CollOp.SEND or msg.op is s.CollOp.RECV:
-                    self.post_p2p(client, msg, payload)
-                else:
-                    self.post(client, msg, payload)
-            elif isinstance(msg, s.Ping):
-                self.reply(client, s.Ok(req=msg.req))
-                self.publish_ready()
-            elif isinstance(msg, s.Hello):
-                self.reply(client, s.Ok(req=msg.req))
-                self.rank_pids[msg.rank] = msg.pid
-                self.rank_hosts[msg.rank] = msg.host
-                self.dead.pop(msg.rank, None)  # a restarted rank (torchrun --max-restarts) is alive again
-                self.publish(s.RankRegistered(rank=msg.rank, node=msg.node, pid=msg.pid, host=msg.host))
-            elif isinstance(msg, s.RankExited):
-                self.reply(client, s.Ok(req=msg.req))
-                self.gone_elsewhere.add((msg.host, msg.pid))
-                if self.rank_pids.get(msg.rank) == msg.pid and self.rank_hosts.get(msg.rank) == msg.host:
-                    self.rank_gone(msg.rank, f"rank {msg.rank} (pid {msg.pid} on {msg.host}) exited")
-            elif isinstance(msg, s.WorldFormation):
-                if not 1 <= msg.size <= MAX_COMM_SIZE or not 0 <= msg.rank < msg.size:
-                    raise CommError("ncclInvalidArgument", f"rank {msg.rank} outside a world of size {msg.size}")
-                self.worlds.record(msg, self.alive)
-                self.reply(client, s.Ok(req=msg.req))
-                self.publish(s.WorldStage(world=msg.world, rank=msg.rank, size=msg.size, site=msg.site,
-                                          phase=msg.phase))
-            elif isinstance(msg, s.CompileState):
-                self.hangs.pause(msg.rank, "compiling", msg.compiling)
-                self.reply(client, s.Ok(req=msg.req))
-            elif isinstance(msg, s.DebuggerState):
-                self.debugged[msg.rank] = msg.pid
-                self.hangs.debugger(msg.rank, stopped=msg.phase is not s.DebugPhase.RUNNING)
-                self.reply(client, s.Ok(req=msg.req))
-                self.publish(s.RankDebugging(rank=msg.rank, node=msg.node, pid=msg.pid, phase=msg.phase,
-                                             debugger=msg.debugger, address=msg.address, connect=msg.connect))
-            elif isinstance(msg, s.StepReport):  # unanswered: the rank does not wait for its books
-                self.publish(s.ClockedStep(**{f: getattr(msg, f) for f in _STEP_FIELDS}))
-            elif isinstance(msg, s.MemoryReport):
-                self.reply(client, s.Ok(req=msg.req))
-                self.publish(s.MemoryUsage(**{f: getattr(msg, f) for f in _MEMORY_FIELDS}))
-            elif isinstance(msg, s.CommInit):
-                if not 1 <= msg.size <= MAX_COMM_SIZE:  # the ledger and the hang scan walk every rank
-                    raise CommError("ncclInvalidArgument", f"communicator size {msg.size} is outside 1..{MAX_COMM_SIZE}")
-                self.ledger.join(msg)
-                self.reply(client, s.Ok(req=msg.req))
-                self.publish(
-                    s.CommJoined(
-                        comm=msg.comm, rank=msg.rank, size=msg.size, global_rank=msg.global_rank,
-                        transport=msg.transport, name=msg.name, desc=msg.desc,
-                    )
-                )
-            elif isinstance(msg, s.RegisterBuffer):
-                self.buffers.register(client, msg.buf, msg.nbytes, list(fds))
-                self.reply(client, s.Ok(req=msg.req))
-            elif isinstance(msg, s.ReleaseBuffers):
-                self.buffers.release(client, msg.bufs)
-                self.reply(client, s.Ok(req=msg.req))
-            else:
+            handler = _HANDLERS.get(type(msg))
+            if handler is None:
                 self.refuse(client, msg.req, f"unexpected request {msg.TYPE!r}")
+            else:
+                handler(self, client, msg, fds, payload)
         except CommError as e:
             self.reply(client, s.Error(req=msg.req, code=e.code, message=e.message))
         except (ArenaError, KernelError, OSError) as e:
@@ -340,9 +185,126 @@ class Daemon:
             traceback.print_exc()
             self.reply(client, s.Error(req=msg.req, code="ncclInternalError", message=f"daemon internal error: {e}"))
 
+    def admit(self, client: bytes, data: bytes, frames: Sequence[zmq.Frame]) -> tuple[s.Request, Payload | None] | None:
+        """Framing and authentication: the request in ``data`` with its data frames' bytes, or None once refused.
+
+        Data frames may follow only a socket-transport collective, every request
+        must carry the session token, and the frames must be whole (see
+        :func:`emulator.payloads.from_frames`); anything else is refused before
+        any handler sees it.
+        """
+        try:
+            msg = s.decode(data)
+        except s.SchemaError as e:
+            self.refuse(client, 0, ONE_FRAME if frames else f"malformed request: {e}")
+            return None
+        with_frames = isinstance(msg, s.Collective) and msg.transport is s.Transport.SOCKET
+        if frames and not with_frames:
+            self.refuse(client, msg.req if isinstance(msg, s.Request) else 0, ONE_FRAME)
+            return None
+        if not isinstance(msg, s.Request):
+            self.refuse(client, 0, f"{msg.TYPE!r} is not a request")
+            return None
+        # surrogatepass: JSON may carry a lone surrogate ("\ud800"), which strict utf-8 refuses
+        if not hmac.compare_digest(msg.token.encode("utf-8", "surrogatepass"), self._token_bytes):
+            self.refuse(client, msg.req, "unauthorized: wrong or missing session token")
+            return None
+        why, payload = from_frames(frames) if with_frames else ("", None)
+        if why:
+            self.refuse(client, msg.req, f"malformed request: {why}")
+            return None
+        return msg, payload
+
+    # One handler per request type, all called as ``handler(client, msg, fds, payload)`` (see _HANDLERS);
+    # each answers its rank (``Ok``, unless said otherwise) and raises what becomes an ``Error`` reply.
+
+    def _collective(self, client: bytes, msg: s.Collective, fds: Sequence[int], payload: Payload | None) -> None:
+        """A collective or a point-to-point half, posted to the ledger; answered when it completes."""
+        if msg.op is s.CollOp.SEND or msg.op is s.CollOp.RECV:
+            self.collectives.post_p2p(client, msg, payload)
+        else:
+            self.collectives.post(client, msg, payload)
+
+    def _ping(self, client: bytes, msg: s.Ping, fds: Sequence[int], payload: Payload | None) -> None:
+        """The session's readiness probe: ``daemon_ready`` again, for a subscriber that joined late."""
+        self.reply(client, s.Ok(req=msg.req))
+        self.publish_ready()
+
+    def _hello(self, client: bytes, msg: s.Hello, fds: Sequence[int], payload: Payload | None) -> None:
+        """A rank's process registers; the last registration of a rank is the one watched."""
+        self.reply(client, s.Ok(req=msg.req))
+        self.ranks.register(msg.rank, msg.pid, msg.host)
+        self.events.publish(s.RankRegistered(rank=msg.rank, node=msg.node, pid=msg.pid, host=msg.host))
+
+    def _rank_exited(self, client: bytes, msg: s.RankExited, fds: Sequence[int], payload: Payload | None) -> None:
+        """The session says a process of another host exited (this daemon cannot see it)."""
+        self.reply(client, s.Ok(req=msg.req))
+        if self.ranks.exited_elsewhere(msg.rank, msg.pid, msg.host):
+            self.rank_gone(msg.rank, f"rank {msg.rank} (pid {msg.pid} on {msg.host}) exited")
+
+    def _world_formation(self, client: bytes, msg: s.WorldFormation, fds: Sequence[int],
+                         payload: Payload | None) -> None:
+        """A rank enters or leaves ``init_process_group``: recorded for the hang scan of worlds."""
+        if not 1 <= msg.size <= MAX_COMM_SIZE or not 0 <= msg.rank < msg.size:
+            raise CommError("ncclInvalidArgument", f"rank {msg.rank} outside a world of size {msg.size}")
+        self.worlds.record(msg, self.ranks.alive)
+        self.reply(client, s.Ok(req=msg.req))
+        self.events.publish(s.WorldStage(world=msg.world, rank=msg.rank, size=msg.size, site=msg.site,
+                                         phase=msg.phase))
+
+    def _compile_state(self, client: bytes, msg: s.CompileState, fds: Sequence[int], payload: Payload | None) -> None:
+        """A rank starts or stops compiling: its peers' waits meanwhile are not hangs."""
+        self.hangs.pause(msg.rank, "compiling", msg.compiling)
+        self.reply(client, s.Ok(req=msg.req))
+
+    def _debugger_state(self, client: bytes, msg: s.DebuggerState, fds: Sequence[int],
+                        payload: Payload | None) -> None:
+        """A rank stops in or runs on from its debugger (``--debug-rank``): no hang while it is stopped."""
+        self.ranks.debugging(msg.rank, msg.pid)
+        self.hangs.debugger(msg.rank, stopped=msg.phase is not s.DebugPhase.RUNNING)
+        self.reply(client, s.Ok(req=msg.req))
+        self.events.publish(s.RankDebugging(rank=msg.rank, node=msg.node, pid=msg.pid, phase=msg.phase,
+                                            debugger=msg.debugger, address=msg.address, connect=msg.connect))
+
+    def _step_report(self, client: bytes, msg: s.StepReport, fds: Sequence[int], payload: Payload | None) -> None:
+        """A clocked step's books, passed on as an event; unanswered: the rank does not wait for them."""
+        self.events.publish(s.ClockedStep(**{f: getattr(msg, f) for f in _STEP_FIELDS}))
+
+    def _memory_report(self, client: bytes, msg: s.MemoryReport, fds: Sequence[int],
+                       payload: Payload | None) -> None:
+        """A GPU's memory figures, passed on as an event."""
+        self.reply(client, s.Ok(req=msg.req))
+        self.events.publish(s.MemoryUsage(**{f: getattr(msg, f) for f in _MEMORY_FIELDS}))
+
+    def _comm_init(self, client: bytes, msg: s.CommInit, fds: Sequence[int], payload: Payload | None) -> None:
+        """A rank joins a communicator."""
+        if not 1 <= msg.size <= MAX_COMM_SIZE:  # the ledger and the hang scan walk every rank
+            raise CommError("ncclInvalidArgument", f"communicator size {msg.size} is outside 1..{MAX_COMM_SIZE}")
+        self.collectives.ledger.join(msg)
+        self.reply(client, s.Ok(req=msg.req))
+        self.events.publish(
+            s.CommJoined(
+                comm=msg.comm, rank=msg.rank, size=msg.size, global_rank=msg.global_rank,
+                transport=msg.transport, name=msg.name, desc=msg.desc,
+            )
+        )
+
+    def _register_buffer(self, client: bytes, msg: s.RegisterBuffer, fds: Sequence[int],
+                         payload: Payload | None) -> None:
+        """A rank lends a tensor's storage (the descriptor in ``fds``) for zero-copy collectives."""
+        self.collectives.buffers.register(client, msg.buf, msg.nbytes, list(fds))
+        self.reply(client, s.Ok(req=msg.req))
+
+    def _release_buffers(self, client: bytes, msg: s.ReleaseBuffers, fds: Sequence[int],
+                         payload: Payload | None) -> None:
+        """A rank's lent storages died: unmap them."""
+        self.collectives.buffers.release(client, msg.bufs)
+        self.reply(client, s.Ok(req=msg.req))
+
     def refuse(self, client: bytes, req: int, why: str) -> None:
+        """Answer a request that is not one (malformed, unauthorized) with a ``protocol`` error, and say so."""
         self.reply(client, s.Error(req=req, code="protocol", message=why))
-        self.publish(s.ProtocolError(message=why))
+        self.events.publish(s.ProtocolError(message=why))
         # daemon.log too: the first refusals with their reason, then one line per thousand (a flood stays small)
         self.refused += 1
         if self.refused <= REFUSALS_LOGGED or self.refused % 1000 == 0:
@@ -350,192 +312,25 @@ class Daemon:
                   file=sys.stderr, flush=True)
 
     def publish_ready(self) -> None:
-        self.publish(
+        """``daemon_ready``: this daemon's pid and what it emulates."""
+        self.events.publish(
             s.DaemonReady(pid=os.getpid(), profile=self.profile, nodes=self.nodes, gpus_per_node=self.gpus_per_node,
                           exec_mode=self.exec_mode)
         )
 
-    def check_payload(self, client: bytes, req: s.Collective, payload) -> None:
-        """Hold a socket-transport rank's bytes for its job, once they match what its shape declares."""
-        if req.transport is not s.Transport.SOCKET:
-            return
-        comm = self.ledger.comms.get(req.comm)
-        if comm is None:
-            return  # the ledger refuses it (not joined); there is nothing to hold
-        want = input_elements(req, comm.size) * itemsize(req.dtype)
-        got = 0 if payload is None else len(payload)
-        if got != want:
-            raise CommError(
-                "ncclInvalidArgument",
-                f"rank {req.rank} sent {got} bytes of data frames with {req.op.value} #{req.seq} of "
-                f"{req.numel} x {req.dtype}, which needs {want}",
-            )
-        if payload is not None:
-            self.payloads.setdefault(req.comm, {})[(client, req.req)] = payload
-
-    def post_p2p(self, client: bytes, req: s.Collective, payload=None) -> None:
-        """A send or receive; the copy runs in the scheduler once both halves are posted."""
-        try:
-            self.check_payload(client, req, payload)
-            comm, pair = self.ledger.post_p2p(client, req)
-        except (CommError, KernelError) as e:
-            self.payloads.get(req.comm, {}).pop((client, req.req), None)
-            return self.refuse_post(client, req, _comm_error(e))
-        if pair is not None:
-            try:
-                job = make_p2p_job(comm, pair, self.arena, self.payload_of)
-                if self.clock is not None:
-                    job.timing = self.clock.time(comm, pair)
-                self.scheduler.submit(job)
-            except (ArenaError, KernelError, OSError) as e:
-                self.fail(comm, CommError("ncclInvalidArgument", str(e)), extra=pair)
-
-    def post(self, client: bytes, req: s.Collective, payload=None) -> None:
-        if not 0 <= req.device < self.gpus_per_node:
-            err = CommError(
-                "ncclInvalidArgument", f"device {req.device} is not one of this node's {self.gpus_per_node} GPUs"
-            )
-            return self.refuse_post(client, req, err)
-        if req.direct and (req.op not in s.DIRECT_OPS or req.transport is not s.Transport.SHM or req.dtype not in DTYPES):
-            err = CommError("ncclInvalidArgument",
-                            f"{req.op.value} of {req.dtype} over {req.transport.value} cannot go rank to rank")
-            return self.refuse_post(client, req, err)
-        try:
-            self.check_payload(client, req, payload)
-            comm, matched = self.ledger.post(client, req)
-        except (CommError, KernelError) as e:
-            self.payloads.get(req.comm, {}).pop((client, req.req), None)
-            return self.refuse_post(client, req, _comm_error(e))
-        # published once the ledger took it: a refused post was never enqueued
-        self.publish_enqueued(req)
-        if matched is None:
-            return
-        warning = self.stragglers.observe(comm, matched)
-        if warning is not None and warning.rank not in self.debugged:
-            self.publish(warning)
-        if req.direct:  # the ranks moved the data themselves: only the books to keep, nobody to answer
-            self.ledger.complete(comm, req.seq)
-            nbytes = 0 if req.op is s.CollOp.BARRIER else req.numel * itemsize(req.dtype)
-            self.publish(s.CollectiveStarted(comm=comm.comm, seq=req.seq, op=req.op, total_bytes=nbytes))
-            # clocked: the time every rank computed for itself from the same t_ready and figures
-            t = self.clock.time(comm, matched) if self.clock is not None else _UNTIMED
-            self.publish(s.CollectiveCompleted(comm=comm.comm, seq=req.seq, op=req.op, total_bytes=nbytes,
-                                               seconds=0.0, emulated_start=t.start, emulated_end=t.end,
-                                               algo=t.algo))
-            return
-        try:
-            job = make_job(comm, matched, self.arena, self.payload_of, self.buffers.view)
-        except (ArenaError, KernelError, OSError) as e:
-            return self.fail(comm, CommError("ncclInvalidArgument", str(e)), extra=matched)
-        if self.clock is not None:
-            job.timing = self.clock.time(comm, matched)
-        self.scheduler.submit(job)
-        self.publish(s.CollectiveStarted(comm=comm.comm, seq=req.seq, op=req.op, total_bytes=job.total_bytes))
-
-    def refuse_post(self, client: bytes, req: s.Collective, err: CommError) -> None:
-        """A post the ledger will not take: its communicator fails (every rank waiting in it hears why)."""
-        comm = self.ledger.comms.get(req.comm)
-        if comm is None or comm.failed is err:
-            raise err  # answered by handle(): nobody else is waiting on it
-        self.fail(comm, err, extra=[Posted(client, req)])
-
-    def fail(self, comm: Communicator, err: CommError, extra: list[Posted]) -> None:
-        """Fail the communicator: every rank waiting in it gets the error."""
-        self.payloads.pop(comm.comm, None)  # nobody will run on the bytes its ranks sent
-        waiting = self.ledger.fail(comm, err) + extra
-        waiting += [p for job in self.scheduler.drop(comm) for p in job.posted]
-        for p in waiting:
-            self.reply(p.client, s.Error(req=p.request.req, code=err.code, message=err.message))
-        self.publish(s.CommFailed(comm=comm.comm, code=err.code, message=err.message))
-
-    def local(self, host: str) -> bool:
-        """Whether a process of ``host`` runs on this daemon's machine (its pid means something here)."""
-        return not host or host == self.host
-
-    def alive(self, pid: int, host: str = "") -> bool:
-        """Whether process ``pid`` of ``host`` lives: seen here, or as its host's agent last said."""
-        return alive(pid) if self.local(host) else (host, pid) not in self.gone_elsewhere
-
     def rank_gone(self, rank: int, how: str) -> None:
-        pid = self.rank_pids.pop(rank)
-        self.rank_hosts.pop(rank, None)
-        self.dead[rank] = how
-        self.publish(s.RankGone(rank=rank, pid=pid))
+        """``rank``'s process is gone: the books say how, and the session hears of it."""
+        self.events.publish(s.RankGone(rank=rank, pid=self.ranks.gone(rank, how)))
 
     def check_peers(self) -> None:
         """Notice ranks whose process is gone, and fail the collectives waiting on them."""
-        for rank, pid in list(self.rank_pids.items()):
-            if self.local(self.rank_hosts.get(rank, "")) and not alive(pid):
-                self.rank_gone(rank, f"rank {rank} (pid {pid}) exited")
-        for rank, pid in list(self.debugged.items()):
-            if self.local(self.rank_hosts.get(rank, "")) and not alive(pid):  # it died in its debugger ('q'): its peers' waits are hangs (or failures) again
-                del self.debugged[rank]
-                self.hangs.debugger(rank, stopped=False)
-        for comm in self.ledger.comms.values():
-            if comm.failed or not comm.posted:
-                continue  # an idle communicator of a finished rank is fine until someone posts to it
-            gone = [g for m in comm.members.values() if (g := m.global_rank) in self.dead]
-            seq = min(comm.posted)
-            waiting = sorted(
-                g for r in comm.posted[seq] if (g := comm.members[r].global_rank) not in self.dead
-            )
-            if gone and waiting:  # nobody alive waiting (a teardown): nothing to tell
-                joined = {comm.members[r].global_rank for r in comm.posted[seq]}
-                culprit = min(gone, key=lambda g: g in joined)  # one that never came, if any
-                waiters = ", ".join(map(str, waiting))
-                err = CommError(
-                    "ncclRemoteError", f"{self.dead[culprit]} while ranks {{{waiters}}} wait in collective #{seq}"
-                )
-                self.fail(comm, err, extra=[])
+        for rank, pid in self.ranks.exited():
+            self.rank_gone(rank, f"rank {rank} (pid {pid}) exited")
+        for rank in self.ranks.left_debugger():  # its peers' waits are hangs (or failures) again
+            self.hangs.debugger(rank, stopped=False)
+        self.collectives.fail_waits_on(self.ranks.dead)
 
-    # ------------------------------------------------------------ execution
-
-    def run_wave(self) -> None:
-        progressed, finished = self.scheduler.run_wave()
-        now = time.monotonic()
-        for job in progressed:
-            if job.done >= job.total or now - job.last_progress < PROGRESS_INTERVAL_S:
-                continue
-            job.last_progress = now
-            req = job.first
-            self.publish(
-                s.CollectiveProgress(
-                    comm=req.comm, seq=req.seq, done_bytes=job.done * job.itemsize, total_bytes=job.total_bytes
-                )
-            )
-        for job in finished:
-            self.finish(job)
-
-    def finish(self, job: Job) -> None:
-        req = job.first
-        if job.error is not None:
-            traceback.print_exception(job.error)
-            err = CommError("ncclInternalError", f"collective #{req.seq} ({req.op.value}) failed in the emulator: {job.error}")
-            return self.fail(job.comm, err, extra=job.posted)
-        t = job.timing or _UNTIMED
-        if req.op is s.CollOp.SEND:  # point-to-point: no collective sequence to advance
-            for p, out in zip(job.posted, job.outputs):
-                self.reply(p.client, s.Done(req=p.request.req, comm=req.comm, seq=req.seq, t_start=t.start,
-                                            t_end=t.end, algo=t.algo), _sent_back(p, out))
-                scratch = self.arenas.pop(p.request.arena, None)  # one buffer per message: done with it
-                if scratch is not None:
-                    scratch.close()
-            return
-        self.ledger.complete(job.comm, req.seq)
-        first = req.seq == 1
-        devices = [p.request.device for p in job.posted] if first else []
-        hosts = [job.comm.members[p.request.rank].host for p in job.posted] if first else []
-        for p, out in zip(job.posted, job.outputs):
-            # a broadcast's root has its output already: it is the input it sent
-            back = None if req.op is s.CollOp.BROADCAST and p.request.rank == req.root else _sent_back(p, out)
-            self.reply(p.client, s.Done(req=p.request.req, comm=req.comm, seq=req.seq, devices=devices, hosts=hosts,
-                                        t_start=t.start, t_end=t.end, algo=t.algo), back)
-        self.publish(
-            s.CollectiveCompleted(
-                comm=req.comm, seq=req.seq, op=req.op, total_bytes=job.total_bytes,
-                seconds=time.monotonic() - job.started, emulated_start=t.start, emulated_end=t.end, algo=t.algo,
-            )
-        )
+    # ------------------------------------------------------------ the loop
 
     def serve(self) -> None:
         """The loop: take requests, run a wave, repeat; exits when ``running`` drops."""
@@ -543,97 +338,79 @@ class Daemon:
         next_scan = next_peer_check = 0.0
         self.publish_ready()
         while self.running:
-            if self.scheduler.busy:
-                wait_s = 0.0
-            elif self._outbox or self._fresh:  # wake up to send them even if nothing else happens
-                wait_s = self._outbox_since + EVENT_BATCH_S - time.monotonic()
-                if wait_s < 0.001:
-                    # poll counts whole milliseconds (pyzmq truncates): a wait under one was a 0 ms
-                    # poll, and the loop spun until the batch was due, up to 1 ms of every 10 (five
-                    # loop turns per small collective). The batch goes now, a little early, instead.
-                    self.flush_events()
-                    wait_s = PEER_CHECK_INTERVAL_S
-                else:
-                    wait_s = min(PEER_CHECK_INTERVAL_S, wait_s)
-            else:
-                wait_s = PEER_CHECK_INTERVAL_S
+            # queued events wake the loop up to go out even if nothing else happens
+            wait_s = 0.0 if self.collectives.busy else self.events.wait_s(PEER_CHECK_INTERVAL_S)
             ready = dict(self.poller.poll(wait_s * 1000))
             for sock, flags in ready.items():
                 if sock is not self.router:
                     self.fast.ready(sock, flags)
             if self.router in ready:
-                for _ in range(256):  # bounded, so waves keep running under load
-                    try:
-                        client = self.router.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    if not self.router.get(zmq.RCVMORE):
-                        self.refuse(client, 0, ONE_FRAME)
-                        continue
-                    request = self.router.recv()
-                    data = []  # a socket-transport collective's bytes: kept as ZeroMQ received them, not copied
-                    while self.router.get(zmq.RCVMORE):
-                        data.append(self.router.recv(copy=False))
-                    self.handle(client, request, frames=data)
-            if self.scheduler.busy:
-                self.run_wave()
+                self.read_router()
+            if self.collectives.busy:
+                self.collectives.run_wave()
             now = time.monotonic()
             if now >= next_peer_check:  # often: the first rank to go is the one to name
                 next_peer_check = now + PEER_CHECK_INTERVAL_S
                 self.check_peers()
             if now >= next_scan:  # cheap, but not on every busy iteration
                 next_scan = now + HANG_SCAN_INTERVAL_S
-                busy = frozenset(
-                    job.comm.members[p.request.rank].global_rank for job in self.scheduler.jobs for p in job.posted
-                )
-                for finding in self.hangs.scan(self.ledger, now, busy):
-                    self.publish(finding)
-                for finding in self.hangs.scan_worlds(self.worlds, self.alive, now):
-                    self.publish(finding)
-            self.flush_events(force=False)
+                self.scan_hangs(now)
+            self.events.flush(force=False)
             if orphaned(parent):
                 break  # the session is gone: nobody is left to serve
+
+    def read_router(self) -> None:
+        """Handle the requests waiting on the ZeroMQ socket, each with the data frames that follow it."""
+        for _ in range(256):  # bounded, so waves keep running under load
+            try:
+                client = self.router.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if not self.router.get(zmq.RCVMORE):
+                self.refuse(client, 0, ONE_FRAME)
+                continue
+            request = self.router.recv()
+            data = []  # a socket-transport collective's bytes: kept as ZeroMQ received them, not copied
+            while self.router.get(zmq.RCVMORE):
+                data.append(self.router.recv(copy=False))
+            self.handle(client, request, frames=data)
+
+    def scan_hangs(self, now: float) -> None:
+        """Publish what the hang detector finds in the ledger and in the worlds being formed."""
+        for finding in self.hangs.scan(self.collectives.ledger, now, self.collectives.busy_ranks()):
+            self.events.publish(finding)
+        for finding in self.hangs.scan_worlds(self.worlds, self.ranks.alive, now):
+            self.events.publish(finding)
 
     def stop_orphans(self) -> None:
         """The session is gone: stop the ranks it left (they would wait on nobody) and remove its arenas."""
         # another host's ranks are its agent's to stop (it stops them once the session stops answering)
-        stop_orphans(self.session, [p for r, p in self.rank_pids.items() if self.local(self.rank_hosts.get(r, ""))])
+        stop_orphans(self.session, self.ranks.local_pids())
 
     def close(self) -> None:
-        self.flush_events()
-        for arena in self.arenas.values():
-            arena.close()
-        self.buffers.close()
+        """Send the last events, unmap the ranks' memory, close the sockets."""
+        self.events.close()
+        self.collectives.close()
         self.fast.close()
         self.router.close(0)
-        self.pub.close()
         self.ctx.term()
 
 
-def _payload(frames: Sequence[zmq.Frame]) -> tuple[str, np.ndarray | Segmented | None]:
-    """The bytes of a socket-transport collective's data frames, or why the frames are malformed.
-
-    Frames are MAX_DATA_FRAME_BYTES each but the last (1 byte to that), so
-    their count follows from the total and element boundaries never straddle
-    two frames. Several frames are read as one array without copying them.
-    """
-    if not frames:
-        return "", None
-    sizes = [len(f) for f in frames]
-    if any(n != MAX_FRAME_BYTES for n in sizes[:-1]) or not 0 < sizes[-1] <= MAX_FRAME_BYTES:
-        return (f"data frames of {sizes[:8]} bytes: each must be {MAX_FRAME_BYTES} bytes but the last, "
-                f"which holds 1 to {MAX_FRAME_BYTES}"), None
-    parts = [np.frombuffer(f.buffer, np.uint8) for f in frames]
-    return "", parts[0] if len(parts) == 1 else Segmented(parts)
-
-
-def _sent_back(p: Posted, out: np.ndarray) -> np.ndarray | None:
-    """What goes back to the rank after ``Done``: a socket-transport rank's output, if it has one."""
-    return out if p.request.transport is s.Transport.SOCKET and out.size else None
-
-
-def _comm_error(e: CommError | KernelError) -> CommError:
-    return e if isinstance(e, CommError) else CommError("ncclInvalidArgument", str(e))
+#: The handler of each request type (see Daemon.handle): every request of the catalogue has one.
+_HANDLERS: dict[type[s.Request], Callable[[Daemon, bytes, s.Request, Sequence[int], Payload | None], None]] = {
+    s.Collective: Daemon._collective,  # one per rank per collective; the rest are rare
+    s.Ping: Daemon._ping,
+    s.Hello: Daemon._hello,
+    s.RankExited: Daemon._rank_exited,
+    s.WorldFormation: Daemon._world_formation,
+    s.CompileState: Daemon._compile_state,
+    s.DebuggerState: Daemon._debugger_state,
+    s.StepReport: Daemon._step_report,
+    s.MemoryReport: Daemon._memory_report,
+    s.CommInit: Daemon._comm_init,
+    s.RegisterBuffer: Daemon._register_buffer,
+    s.ReleaseBuffers: Daemon._release_buffers,
+}
 
 
 def run(run_dir: str, session: str, token: str, profile: str, nodes: int, gpus_per_node: int,

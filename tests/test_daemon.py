@@ -342,6 +342,13 @@ def test_unsupported_dtype_and_bad_reduce_scatter(daemon):
 # ---------------------------------------------------------------- hostile input
 
 
+def test_every_request_type_has_a_handler():
+    """The daemon's dispatch table answers every request of the catalogue (a new one without a handler is refused)."""
+    from emulator.daemon import _HANDLERS
+
+    assert set(_HANDLERS) == {cls for cls in s.MESSAGE_TYPES.values() if issubclass(cls, s.Request)}
+
+
 def test_wrong_token_is_refused_and_daemon_keeps_working(daemon):
     c = daemon.client()
     for token in ("", "nope", daemon.token + "x", daemon.token[:-1], daemon.token.upper() + "\u00e9"):

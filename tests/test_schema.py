@@ -109,8 +109,8 @@ def test_daemon_enqueued_template_writes_the_event_line(tmp_path):
             for seq in (1, 2, 10**12):
                 req = s.Collective(comm="c" * 32, seq=seq, rank=1, op=s.CollOp.ALLGATHER, dtype="bfloat16", numel=7,
                                    device=3, site=site, transport=s.Transport.SOCKET)
-                daemon.publish_enqueued(req)
-                line = daemon._fresh.pop()
+                daemon.events.publish_enqueued(req)
+                line = daemon.events._fresh.pop()
                 event = s.decode(line)
                 assert abs(event.t - time.time()) < 5
                 assert line == s.encode(s.CollectiveEnqueued(

@@ -1,0 +1,73 @@
+"""The daemon's books of rank processes: which process is each rank, and whether it still lives.
+
+A rank registers its process with ``Hello`` (the last registration of a rank
+counts: an ``mp.spawn`` child replaces the parent that claimed its rank at
+start-up). The daemon checks pids only of its own host; of another host's
+processes it knows what that host's agent told the session (``RankExited``).
+"""
+
+from __future__ import annotations
+
+from wire.procfs import alive
+
+
+class RankProcesses:
+    """Global rank -> registered pid and host, the ranks gone (and how), the ranks stopped in a debugger."""
+
+    def __init__(self, host: str):
+        self.host = host  # this daemon's machine: ranks on another host are watched by their host's agent
+        self.pids: dict[int, int] = {}  # global rank -> pid, from Hello
+        self.hosts: dict[int, str] = {}  # global rank -> the host its pid is on, from Hello
+        self.dead: dict[int, str] = {}  # global rank -> how it went
+        # global rank -> pid of ranks that stopped in a debugger (--debug-rank) in this run: their waits are
+        # not hangs while they are stopped, and their arrival times say nothing about stragglers
+        self.debugged: dict[int, int] = {}
+        self._gone_elsewhere: set[tuple[str, int]] = set()  # (host, pid) another host's agent saw exit
+
+    def register(self, rank: int, pid: int, host: str) -> None:
+        """``rank`` is process ``pid`` of ``host`` from now on."""
+        self.pids[rank] = pid
+        self.hosts[rank] = host
+        self.dead.pop(rank, None)  # a restarted rank (torchrun --max-restarts) is alive again
+
+    def exited_elsewhere(self, rank: int, pid: int, host: str) -> bool:
+        """Note that process ``pid`` of another ``host`` exited; whether it was ``rank``'s registered process."""
+        self._gone_elsewhere.add((host, pid))
+        return self.pids.get(rank) == pid and self.hosts.get(rank) == host
+
+    def debugging(self, rank: int, pid: int) -> None:
+        """``rank`` (process ``pid``) stopped in its debugger, or runs on from it, in this run."""
+        self.debugged[rank] = pid
+
+    def gone(self, rank: int, how: str) -> int:
+        """``rank``'s process is gone (``how`` says how); returns its pid."""
+        pid = self.pids.pop(rank)
+        self.hosts.pop(rank, None)
+        self.dead[rank] = how
+        return pid
+
+    def local(self, host: str) -> bool:
+        """Whether a process of ``host`` runs on this daemon's machine (its pid means something here)."""
+        return not host or host == self.host
+
+    def alive(self, pid: int, host: str = "") -> bool:
+        """Whether process ``pid`` of ``host`` lives: seen here, or as its host's agent last said."""
+        return alive(pid) if self.local(host) else (host, pid) not in self._gone_elsewhere
+
+    def exited(self) -> list[tuple[int, int]]:
+        """The registered (rank, pid) of this host whose process is gone, not yet marked :meth:`gone`."""
+        return [(rank, pid) for rank, pid in self.pids.items() if self._local_rank(rank) and not alive(pid)]
+
+    def left_debugger(self) -> list[int]:
+        """Ranks of this host that died in their debugger ('q'), forgotten as debugged from now on."""
+        died = [rank for rank, pid in self.debugged.items() if self._local_rank(rank) and not alive(pid)]
+        for rank in died:
+            del self.debugged[rank]
+        return died
+
+    def local_pids(self) -> list[int]:
+        """The registered pids of this host's ranks (another host's are its agent's to stop)."""
+        return [pid for rank, pid in self.pids.items() if self._local_rank(rank)]
+
+    def _local_rank(self, rank: int) -> bool:
+        return self.local(self.hosts.get(rank, ""))
