@@ -130,7 +130,6 @@ class Session:
         self._secret_file = os.path.join(self.run.path, "curve.secret")
         self.hosts: Hosts | None = None
         self._master_addr = "127.0.0.1"  # MASTER_ADDR: this machine, or the host of node 0
-        self.rank_hosts: dict[int, str] = {}  # global rank -> the host it registered from
         self._space_checked = 0.0  # when the run directory's free space was last looked at
 
     # ------------------------------------------------------------ events
@@ -171,8 +170,7 @@ class Session:
             self._flush_journal()
 
     def _registered(self, e: s.RankRegistered) -> None:
-        """Note where a rank runs; on another host, its agent watches the process for the daemon."""
-        self.rank_hosts[e.rank] = e.host
+        """A rank on another host: its agent watches the process for the daemon."""
         if self.hosts is not None and e.host and e.host != socket.gethostname():
             self.hosts.watch(e.host, e.rank, e.pid)
 
@@ -470,9 +468,11 @@ class Session:
             except queue.Empty:
                 return summary
             label = self.state.comm_label(finding.comm)
+            ranks = dict(self.state.ranks)  # a copy: the dispatcher adds ranks meanwhile
+            rank_hosts = {r: status.host for r, status in ranks.items() if status.host}
             d = diagnosis.diagnose(
                 finding, dict(self.state.rank_pids), dict(self.state.last_output), self.run.ranks, self.run.session,
-                label, dict(self.rank_hosts), None if self.hosts is None else self.hosts.remote_stacks,
+                label, rank_hosts, None if self.hosts is None else self.hosts.remote_stacks,
             )
             try:
                 path = diagnosis.write(d, self.run.path)
@@ -488,7 +488,7 @@ class Session:
             self.emit(s.HangReport(comm=finding.comm, seq=finding.seq, text=text, path=path))
             missing = ", ".join(map(str, finding.missing))
             if self.hosts is not None:  # several hosts: say where the missing ones run
-                missing = ", ".join(f"{r} on {self.rank_hosts[r]}" if self.rank_hosts.get(r) else str(r)
+                missing = ", ".join(f"{r} on {rank_hosts[r]}" if rank_hosts.get(r) else str(r)
                                     for r in finding.missing)
             what = (f"world formation (init_process_group) of {finding.comm}" if finding.kind is s.HangKind.WORLD
                     else f"collective #{finding.seq} ({finding.op.name}) of {label}")
