@@ -8,27 +8,22 @@ files and node pipes) into one ordered stream that goes to ``events.jsonl``
 and to the caller's sink, and tears everything down at the end: nodes first,
 the daemon last, then anything still carrying the session's id.
 
-Over 600 lines on purpose: start, wait, diagnose and stop all act on the same
-process list, event queue and fold, and one lifecycle reads best in one file.
-What stands on its own lives beside it: the environment a process gets
-(:mod:`~mirage_tui.launch_env`), starting and stopping processes
+The event stream, the journal and the fold are the journal's (:mod:`.journal`).
+What stands on its own lives outside the package: the environment a process
+gets (:mod:`~mirage_tui.launch_env`), starting and stopping processes
 (:mod:`~mirage_tui.processes`), other hosts (:mod:`~mirage_tui.hosts`), hang
 reports (:mod:`~mirage_tui.diagnosis`).
 """
 
 from __future__ import annotations
 
-import errno
 import os
-import queue
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-import traceback
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
@@ -42,9 +37,10 @@ from mirage_tui import agent_protocol as ap
 from mirage_tui.daemon_proc import DaemonSettings, DaemonStartError, start_daemon
 from mirage_tui.hosts import Hosts, HostsError, RemoteProcess
 from mirage_tui.launch_env import BOOT_DIR, RankEnvironment, node_env, rank_env
-from mirage_tui.output import RankTail, pump_pipe
+from mirage_tui.output import pump_pipe
 from mirage_tui.processes import TERM_GRACE_S, StartError, free_port, kill_carrying, signal_group, spawn, stop_child
 from mirage_tui.runstate import Outcome, RunState
+from mirage_tui.session.journal import Journal, Sink
 from mirage_tui.topology import Launcher, OnHang, Topology, UsageError, slurm_hosts
 from shim.bootstrap import is_torchrun_agent
 
@@ -56,15 +52,6 @@ HANG_EXIT = 124
 DAEMON_DIED_EXIT = 125
 #: Exit code of a run stopped because its run directory could not be written (sysexits' EX_IOERR).
 WRITE_FAILED_EXIT = 74
-#: How often the run directory's free space is checked, and how little counts as full.
-SPACE_CHECK_S = 0.5
-MIN_FREE_BYTES = 4096
-#: Events queued for the journal at most: a rank flooding its output is read only as fast as it is recorded.
-EVENT_BACKLOG = 20_000
-#: Teardown waits for the event pumps and the journal as long as they make progress, and this long when they do not.
-DRAIN_STALL_S = 10.0
-
-Sink = Callable[[s.Event], None]
 
 
 class LaunchError(Exception):
@@ -103,25 +90,12 @@ class Session:
 
     def __init__(self, topology: Topology, sink: Sink):
         self.topology = topology
-        self.sink = sink
         self.run = rundir.create(topology.log_dir, sockets=not topology.in_process)
+        self.journal = Journal(self.run, sink)
         self.daemon: subprocess.Popen | None = None
         self.procs: list[Launched] = []  # every process started, in order: one per node, or one per rank
-        # (event, its encoded line if we already have it) — daemon events arrive encoded
-        self._events: queue.Queue[tuple[s.Event, bytes | None] | None] = queue.Queue(EVENT_BACKLOG)
-        self._written = 0  # events the dispatcher has handled: teardown's measure of progress
-        self.write_error: str | None = None  # set when the run directory could not be written
-        self._threads: list[threading.Thread] = []
-        self._stop = threading.Event()
         self._ctx = zmq.Context()
-        self._journal = open(self.run.events, "ab")
-        self._log_files: dict[str, object] = {}
-        self._dirty_logs: dict[str, object] = {}  # log files written since the last flush
-        self._sink_errors: set[str] = set()  # display failures already reported
         self._exited: list[int] = []  # indexes into procs of the processes seen ended, in that order
-        self._tearing_down = False
-        self.state = RunState()  # the fold of every event (written by the dispatcher only): diagnoses, the report
-        self._hangs: queue.Queue[s.HangDetected] = queue.Queue()
         self.trace: str | None = None  # the merged trace.json of a clocked run, once closed
         # a multi-host run (--launcher slurm): the daemon's TCP address and key, and the hosts' agents
         self._address = ""
@@ -130,129 +104,32 @@ class Session:
         self._secret_file = os.path.join(self.run.path, "curve.secret")
         self.hosts: Hosts | None = None
         self._master_addr = "127.0.0.1"  # MASTER_ADDR: this machine, or the host of node 0
-        self._space_checked = 0.0  # when the run directory's free space was last looked at
+
+    @property
+    def state(self) -> RunState:
+        """The fold of every event (the journal's): diagnoses, the report, the sink's reading."""
+        return self.journal.state
 
     # ------------------------------------------------------------ events
-
-    def emit(self, event: s.Event, line: bytes | None = None) -> None:
-        """Queue an event for the journal and the sink (any thread); ``line`` is its encoding, if known."""
-        self._events.put((event, line))
-
-    def _dispatch(self) -> None:
-        # the only writer of events.jsonl and the only caller of the sink
-        while True:
-            event = self._events.get()
-            batch = [event]
-            while True:
-                try:
-                    batch.append(self._events.get_nowait())
-                except queue.Empty:
-                    break
-            for item in batch:
-                if item is None:
-                    self._flush_journal()
-                    return
-                e, line = item
-                self._written += 1
-                self._record(e, line)
-                self.state.apply(e)
-                if isinstance(e, s.RankRegistered):
-                    self._registered(e)
-                if isinstance(e, s.HangDetected):
-                    self._flush_journal()  # the diagnosis reads the journal (Flight Recorder dumps)
-                    self._hangs.put(e)
-                if self._tearing_down and isinstance(e, s.CommFailed):
-                    continue  # ranks we are stopping take their communicators with them: not news
-                try:
-                    self.sink(e)
-                except Exception as err:  # a broken display must not stop the journal
-                    self._sink_failed(err)
-            self._flush_journal()
 
     def _registered(self, e: s.RankRegistered) -> None:
         """A rank on another host: its agent watches the process for the daemon."""
         if self.hosts is not None and e.host and e.host != socket.gethostname():
             self.hosts.watch(e.host, e.rank, e.pid)
 
-    def _sink_failed(self, err: Exception) -> None:
-        """Report a display failure once per kind (not once per event); a reader that went away is let go."""
-        if isinstance(err, BrokenPipeError):  # e.g. `mirage run ... | head`: the run goes on, recorded
-            self.sink = lambda event: None
-            return
-        key = f"{type(err).__name__}: {err}"
-        if key not in self._sink_errors:
-            self._sink_errors.add(key)
-            traceback.print_exception(err)
-
-    def _record(self, e: s.Event, line: bytes | None) -> None:
-        """Write one event to the journal (and an output line to its log); a failed write stops the run."""
-        if self.write_error is not None:
-            return  # the run is being stopped; what could not be written is named in the summary
-        try:
-            self._journal.write((line or s.encode(e)) + b"\n")
-        except (OSError, ValueError) as err:
-            return self._write_failed(self.run.events, err)
-        if isinstance(e, s.OutputLine):
-            path = self.run.rank_log(e.rank) if e.rank >= 0 else self.run.node_log(e.node)
-            try:
-                self._log_line(e)
-            except (OSError, ValueError) as err:
-                self._write_failed(path, err)
-
-    def _flush_journal(self) -> None:
-        if self.write_error is None:
-            try:
-                self._journal.flush()
-            except (OSError, ValueError) as err:
-                self._write_failed(self.run.events, err)
-        while self._dirty_logs and self.write_error is None:
-            path, f = self._dirty_logs.popitem()
-            try:
-                f.flush()
-            except (OSError, ValueError) as err:
-                self._write_failed(path, err)
-
-    def _write_failed(self, path: str, err: Exception) -> None:
-        why = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
-        self.write_error = f"{path}: {why}"
-
-    def _log_line(self, e: s.OutputLine) -> None:
-        path = self.run.rank_log(e.rank) if e.rank >= 0 else self.run.node_log(e.node)
-        f = self._log_files.get(path)
-        if f is None:
-            f = self._log_files[path] = open(path, "a", encoding="utf-8")
-        f.write(e.text + "\n")
-        self._dirty_logs[path] = f  # flushed with the journal, once per batch of events
-
-    def _pump_daemon_events(self) -> None:
+    def _pump_daemon_events(self, stopping: threading.Event) -> None:
         while True:
-            stopping = self._stop.is_set()  # read before draining, so the last drain is complete
-            if self._sub.poll(0 if stopping else 100):
+            stopping_now = stopping.is_set()  # read before draining, so the last drain is complete
+            if self._sub.poll(0 if stopping_now else 100):
                 while True:
                     try:
                         data = self._sub.recv(zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     for event, line in s.iter_events(data.split(b"\n")):
-                        self.emit(event, line)
-            if stopping:
+                        self.journal.emit(event, line)
+            if stopping_now:
                 return
-
-    def _pump_rank_files(self) -> None:
-        tail = RankTail(self.run.ranks)
-        while not self._stop.wait(0.05):
-            for line in tail.poll():
-                self.emit(line)
-        while lines := tail.poll():  # everything written before the processes ended
-            for line in lines:
-                self.emit(line)
-        for line in tail.poll(final=True):
-            self.emit(line)
-
-    def _thread(self, target, name: str) -> None:
-        t = threading.Thread(target=target, name=name, daemon=True)
-        t.start()
-        self._threads.append(t)
 
     # ------------------------------------------------------------ start
 
@@ -264,7 +141,7 @@ class Session:
         except DaemonStartError as e:
             raise LaunchError(str(e), 1) from None
         self.daemon, self._sub = started.proc, started.events
-        self.emit(started.ready)
+        self.journal.emit(started.ready)
         if self._address:
             with open(os.path.join(self.run.path, TCP_ENDPOINT_FILE)) as f:
                 self._tcp_endpoint = f.read().strip()
@@ -325,8 +202,8 @@ class Session:
             raise LaunchError(str(e), e.returncode) from None
         self.procs.append(Launched(proc, node, rank))
         if rank is None:
-            self._threads.append(pump_pipe(proc.stdout, node, s.Stream.STDOUT, self.emit))
-            self._threads.append(pump_pipe(proc.stderr, node, s.Stream.STDERR, self.emit))
+            self.journal.fed_by(pump_pipe(proc.stdout, node, s.Stream.STDOUT, self.journal.emit))
+            self.journal.fed_by(pump_pipe(proc.stderr, node, s.Stream.STDERR, self.journal.emit))
 
     def start(self) -> None:
         """Start the daemon (unless in-process), the event pumps and the node processes."""
@@ -334,11 +211,11 @@ class Session:
             sessions.register(self.run.session, self.run.path, self.topology)
         except (OSError, UsageError) as e:
             print(f"mirage: this run is not listed in 'mirage sessions': {e}", file=sys.stderr)
-        self._thread(self._dispatch, "dispatch")
+        self.journal.start()
         if not self.topology.in_process:
             self._start_daemon()
-            self._thread(self._pump_daemon_events, "daemon-events")
-        self._thread(self._pump_rank_files, "rank-output")
+            self.journal.feed(self._pump_daemon_events, "daemon-events")
+        self.journal.feed(self.journal.follow_rank_files, "rank-output")
         if self.topology.launcher is Launcher.SLURM:
             return self._start_on_hosts()
         port = free_port()
@@ -358,8 +235,9 @@ class Session:
         topo = self.topology
         with open(self._secret_file, "rb") as f:
             secret = f.read()
-        self.hosts = Hosts(self._address, secret, self.run.token, self.run.session, self.run.path, self.emit,
+        self.hosts = Hosts(self._address, secret, self.run.token, self.run.session, self.run.path, self.journal.emit,
                            self._gone_elsewhere)
+        self.journal.on_registered = self._registered
         try:
             agents = self.hosts.start(slurm_hosts(), self._daemon_env(), os.path.join(self.run.path, "srun.log"),
                                       self.daemon_settings().args())
@@ -401,13 +279,13 @@ class Session:
         failed_at = 0.0
         while True:
             running = 0
-            self._check_space()
-            if self.write_error is not None:  # the disk is full: stop now rather than lose output silently
+            self.journal.check_space()
+            if self.journal.write_error is not None:  # the disk is full: stop now rather than lose output silently
                 self._terminate_nodes()
                 return Outcome(
                     WRITE_FAILED_EXIT,
-                    f"could not write the run directory ({self.write_error}); the run was stopped so that "
-                    f"no output is lost silently",
+                    f"could not write the run directory ({self.journal.write_error}); the run was stopped so "
+                    f"that no output is lost silently",
                     self.run.path,
                 )
             # before the nodes: ranks fail fast once the daemon is gone, and its death is the cause
@@ -440,33 +318,13 @@ class Session:
                 f"the mirage daemon (pid {self.daemon.pid}) {how} during the run; see {self.run.path}/daemon.log",
                 self.run.path,
             )
-        self._settle()  # the summary reads the fold: which rank the daemon saw go first
+        self.journal.settle()  # the summary reads the fold: which rank the daemon saw go first
         return Outcome(code if code > 0 else 128 - code, self._failure_summary(index, code), self.run.path)
-
-    def _check_space(self) -> None:
-        """A run directory with no room left is a write error even before the session writes: the ranks'
-        own output files (``ranks/``) fill it too, and a program that survives its failed writes would
-        otherwise end "successfully" with its output lost."""
-        now = time.monotonic()
-        if now < self._space_checked + SPACE_CHECK_S:
-            return
-        self._space_checked = now
-        try:
-            st = os.statvfs(self.run.path)
-        except OSError:
-            return
-        free = st.f_bfree if os.geteuid() == 0 else st.f_bavail  # root may write into the reserved blocks
-        if free * st.f_frsize < MIN_FREE_BYTES and self.write_error is None:
-            self.write_error = f"{self.run.ranks}: {os.strerror(errno.ENOSPC)}"
 
     def _report_hangs(self) -> str | None:
         """Diagnose every hang the daemon reported since the last call; return a summary of the first."""
         summary = None
-        while True:
-            try:
-                finding = self._hangs.get_nowait()
-            except queue.Empty:
-                return summary
+        while (finding := self.journal.next_hang()) is not None:
             label = self.state.comm_label(finding.comm)
             ranks = dict(self.state.ranks)  # a copy: the dispatcher adds ranks meanwhile
             rank_hosts = {r: status.host for r, status in ranks.items() if status.host}
@@ -485,7 +343,7 @@ class Session:
                 why = err.strerror or str(err)
                 path = f"(not saved: {why})"
                 text = f"{diagnosis.render(d)}\n  (the report and Flight Recorder dumps could not be saved: {why})"
-            self.emit(s.HangReport(comm=finding.comm, seq=finding.seq, text=text, path=path))
+            self.journal.emit(s.HangReport(comm=finding.comm, seq=finding.seq, text=text, path=path))
             missing = ", ".join(map(str, finding.missing))
             if self.hosts is not None:  # several hosts: say where the missing ones run
                 missing = ", ".join(f"{r} on {rank_hosts[r]}" if rank_hosts.get(r) else str(r)
@@ -493,18 +351,7 @@ class Session:
             what = (f"world formation (init_process_group) of {finding.comm}" if finding.kind is s.HangKind.WORLD
                     else f"collective #{finding.seq} ({finding.op.name}) of {label}")
             summary = summary or f"hang in {what}: missing ranks {{{missing}}}; report: {path}"
-
-    def _settle(self, quiet_s: float = 0.1, max_s: float = 1.0) -> None:
-        """Let events already on their way reach the fold (a loaded machine delays the dispatcher): return once
-        none has been handled for ``quiet_s``, or after ``max_s``."""
-        deadline = time.monotonic() + max_s
-        last, since = self._written, time.monotonic()
-        while time.monotonic() < deadline:
-            time.sleep(0.02)
-            if self._written != last or not self._events.empty():
-                last, since = self._written, time.monotonic()
-            elif time.monotonic() - since >= quiet_s:
-                return
+        return summary
 
     def _failure_summary(self, index: int, code: int) -> str:
         """Who failed first (``procs[index]``) and how, then which ranks raised (and where their logs are)."""
@@ -553,17 +400,18 @@ class Session:
         self._exited.append(index)
         launched = self.procs[index]
         if launched.rank is None:
-            self.emit(s.ProcessExited(node=launched.node, pid=launched.proc.pid, returncode=launched.proc.returncode))
+            self.journal.emit(s.ProcessExited(node=launched.node, pid=launched.proc.pid,
+                                              returncode=launched.proc.returncode))
             return True
         mates = [i for i, p in enumerate(self.procs) if p.node == launched.node]
         if all(i in self._exited for i in mates):
             ended = [self.procs[i].proc for i in self._exited if i in mates]  # in the order they ended
             first = next((p for p in ended if p.returncode != 0), ended[-1])
-            self.emit(s.ProcessExited(node=launched.node, pid=first.pid, returncode=first.returncode))
+            self.journal.emit(s.ProcessExited(node=launched.node, pid=first.pid, returncode=first.returncode))
         return True
 
     def _terminate_nodes(self) -> None:
-        self._tearing_down = True
+        self.journal.stopping_ranks = True
         for launched in self.procs:
             launched.signal(signal.SIGTERM)
         deadline = time.monotonic() + TERM_GRACE_S
@@ -593,63 +441,20 @@ class Session:
                 pass
 
     def stop(self) -> None:
-        """Tear down: nodes, then the hosts' agents, then the daemon, then stragglers; flush the journal."""
+        """Tear down: nodes, then the hosts' agents, then the daemon, then stragglers; drain the event pumps."""
         self._terminate_nodes()
         if self.hosts is not None:
             self.hosts.finish()
         if self.daemon is not None:
             stop_child(self.daemon)
         self._sweep()
-        self._stop.set()
-        for t in self._threads:
-            if t.name != "dispatch":
-                self._join(t)  # a flood of output still in the rank files takes a while to record
-
-    def _join(self, t: threading.Thread) -> None:
-        """Join ``t`` while events keep being recorded; give up after ``DRAIN_STALL_S`` without progress."""
-        last, since = -1, time.monotonic()
-        while t.is_alive():
-            t.join(0.2)
-            if self._written != last:
-                last, since = self._written, time.monotonic()
-            elif time.monotonic() - since > DRAIN_STALL_S:
-                return
-
-    def _offer(self, item: tuple[s.Event, bytes | None] | None) -> bool:
-        """Queue ``item`` while the dispatcher makes progress; False if it stalled (a display that stopped reading)."""
-        last, since = -1, time.monotonic()
-        while True:
-            try:
-                self._events.put(item, timeout=0.2)
-                return True
-            except queue.Full:
-                if self._written != last:
-                    last, since = self._written, time.monotonic()
-                elif time.monotonic() - since > DRAIN_STALL_S:
-                    return False
+        self.journal.drain()
 
     def close(self, outcome: Outcome | None) -> None:
-        """Record the end and close the journal (after :meth:`stop`)."""
-        ended = outcome is None or self._offer((s.SessionEnded(returncode=outcome.returncode, summary=outcome.summary),
-                                                None))
-        queued = ended and self._offer(None)
-        for t in self._threads:
-            if t.name == "dispatch":
-                if queued:
-                    self._join(t)
-                if t.is_alive():
-                    print(f"mirage: the event journal stalled; {self.run.events} may be incomplete", file=sys.stderr)
-        try:
-            self._journal.close()
-        except OSError as err:
-            self._write_failed(self.run.events, err)
+        """Record the end, close the journal, write the report and remove the secrets (after :meth:`stop`)."""
+        self.journal.close(outcome)
         report.write(self.state, self.topology, outcome, self.run)
         self.trace = kineto_trace.merge_traces(self.run.path)  # the ranks' traces/rank-R.json, if any
-        for path, f in self._log_files.items():
-            try:
-                f.close()  # type: ignore[attr-defined]
-            except OSError as err:  # a full disk: already the run's outcome, or too late to change it
-                self._write_failed(path, err)
         self._ctx.destroy(linger=0)
         for secret in (self.run.token_file, self._secret_file):  # useless once the daemon is gone
             try:
