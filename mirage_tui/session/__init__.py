@@ -8,9 +8,10 @@ files and node pipes) into one ordered stream that goes to ``events.jsonl``
 and to the caller's sink, and tears everything down at the end: nodes first,
 the daemon last, then anything still carrying the session's id.
 
-The event stream, the journal and the fold are the journal's (:mod:`.journal`).
-What stands on its own lives outside the package: the environment a process
-gets (:mod:`~mirage_tui.launch_env`), starting and stopping processes
+The event stream, the journal and the fold are the journal's (:mod:`.journal`);
+the emulator daemon, its process and sockets, are :mod:`.daemon`'s. What stands
+on its own lives outside the package: the environment a process gets
+(:mod:`~mirage_tui.launch_env`), starting and stopping processes
 (:mod:`~mirage_tui.processes`), other hosts (:mod:`~mirage_tui.hosts`), hang
 reports (:mod:`~mirage_tui.diagnosis`).
 """
@@ -22,24 +23,21 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
-
-import zmq
 
 from emulator import kineto_trace
 from emulator import schema as s
 from emulator.arena import session_segments
-from emulator.daemon import TCP_ENDPOINT_FILE, endpoints
-from mirage_tui import diagnosis, flight_recorder, netif, report, rundir, sessions
+from emulator.daemon import endpoints
+from mirage_tui import diagnosis, flight_recorder, report, rundir, sessions
 from mirage_tui import agent_protocol as ap
-from mirage_tui.daemon_proc import DaemonSettings, DaemonStartError, start_daemon
 from mirage_tui.hosts import Hosts, HostsError, RemoteProcess
-from mirage_tui.launch_env import BOOT_DIR, RankEnvironment, node_env, rank_env
+from mirage_tui.launch_env import RankEnvironment, node_env, rank_env
 from mirage_tui.output import pump_pipe
-from mirage_tui.processes import TERM_GRACE_S, StartError, free_port, kill_carrying, signal_group, spawn, stop_child
+from mirage_tui.processes import TERM_GRACE_S, StartError, free_port, kill_carrying, signal_group, spawn
 from mirage_tui.runstate import Outcome, RunState
+from mirage_tui.session.daemon import LaunchError, SessionDaemon
 from mirage_tui.session.journal import Journal, Sink
 from mirage_tui.topology import Launcher, OnHang, Topology, UsageError, slurm_hosts
 from shim.bootstrap import is_torchrun_agent
@@ -52,14 +50,6 @@ HANG_EXIT = 124
 DAEMON_DIED_EXIT = 125
 #: Exit code of a run stopped because its run directory could not be written (sysexits' EX_IOERR).
 WRITE_FAILED_EXIT = 74
-
-
-class LaunchError(Exception):
-    """The session could not start (command missing, daemon not answering)."""
-
-    def __init__(self, message: str, returncode: int):
-        super().__init__(message)
-        self.returncode = returncode
 
 
 def _signal_name(signum: int) -> str:
@@ -92,17 +82,11 @@ class Session:
         self.topology = topology
         self.run = rundir.create(topology.log_dir, sockets=not topology.in_process)
         self.journal = Journal(self.run, sink)
-        self.daemon: subprocess.Popen | None = None
+        self.daemon = SessionDaemon(topology, self.run, self.journal.emit)
         self.procs: list[Launched] = []  # every process started, in order: one per node, or one per rank
-        self._ctx = zmq.Context()
         self._exited: list[int] = []  # indexes into procs of the processes seen ended, in that order
         self.trace: str | None = None  # the merged trace.json of a clocked run, once closed
-        # a multi-host run (--launcher slurm): the daemon's TCP address and key, and the hosts' agents
-        self._address = ""
-        self._server_key = ""
-        self._tcp_endpoint = ""
-        self._secret_file = os.path.join(self.run.path, "curve.secret")
-        self.hosts: Hosts | None = None
+        self.hosts: Hosts | None = None  # a multi-host run (--launcher slurm): the hosts' agents
         self._master_addr = "127.0.0.1"  # MASTER_ADDR: this machine, or the host of node 0
 
     @property
@@ -117,71 +101,16 @@ class Session:
         if self.hosts is not None and e.host and e.host != socket.gethostname():
             self.hosts.watch(e.host, e.rank, e.pid)
 
-    def _pump_daemon_events(self, stopping: threading.Event) -> None:
-        while True:
-            stopping_now = stopping.is_set()  # read before draining, so the last drain is complete
-            if self._sub.poll(0 if stopping_now else 100):
-                while True:
-                    try:
-                        data = self._sub.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    for event, line in s.iter_events(data.split(b"\n")):
-                        self.journal.emit(event, line)
-            if stopping_now:
-                return
-
     # ------------------------------------------------------------ start
-
-    def _start_daemon(self) -> None:
-        try:
-            started = start_daemon(self._ctx, self.run.path, self.run.session, self.run.token, self.run.token_file,
-                                   self.daemon_settings(), self._daemon_env(),
-                                   os.path.join(self.run.path, "daemon.log"), self._listen_args())
-        except DaemonStartError as e:
-            raise LaunchError(str(e), 1) from None
-        self.daemon, self._sub = started.proc, started.events
-        self.journal.emit(started.ready)
-        if self._address:
-            with open(os.path.join(self.run.path, TCP_ENDPOINT_FILE)) as f:
-                self._tcp_endpoint = f.read().strip()
-
-    def daemon_settings(self) -> DaemonSettings:
-        """What the run's daemons are told: the session's, and in a multi-host run each host's."""
-        topo = self.topology
-        return DaemonSettings(topo.profile, topo.num_nodes, topo.gpus_per_node, topo.hang_timeout_s,
-                              topo.exec_mode.value)
-
-    def _listen_args(self) -> list[str]:
-        """A multi-host run's daemon also listens on the chosen interface, CURVE-encrypted (its secret key
-        in a 0600 file of the run directory, removed with the token)."""
-        if self.topology.launcher is not Launcher.SLURM:
-            return []
-        try:
-            _, self._address = netif.choose()
-        except UsageError as e:
-            raise LaunchError(str(e), 2) from None
-        public, secret = zmq.curve_keypair()
-        self._server_key = public.decode()
-        fd = os.open(self._secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(secret)
-        return ["--listen", self._address, "--curve-secret-file", self._secret_file]
-
-    def _daemon_env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        root = os.path.dirname(os.path.dirname(BOOT_DIR))
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        env["MIRAGE_SESSION"] = self.run.session  # tags it for the orphan sweep
-        return env
 
     def where(self) -> RankEnvironment:
         """What every launched process is told about this session (:mod:`mirage_tui.launch_env`)."""
+        daemon = self.daemon
         return RankEnvironment(
             topology=self.topology, session=self.run.session, run_dir=self.run.path, token=self.run.token,
-            endpoint=self._tcp_endpoint or endpoints(self.run.path)[0], master_addr=self._master_addr,
-            server_key=self._server_key if self._tcp_endpoint else "",
-            daemon_pid=self.daemon.pid if self.daemon is not None and not self._tcp_endpoint else None,
+            endpoint=daemon.tcp_endpoint or endpoints(self.run.path)[0], master_addr=self._master_addr,
+            server_key=daemon.server_key if daemon.tcp_endpoint else "",
+            daemon_pid=daemon.proc.pid if daemon.proc is not None and not daemon.tcp_endpoint else None,
         )
 
     def node_env(self, node: int, master_port: int) -> dict[str, str]:
@@ -213,8 +142,8 @@ class Session:
             print(f"mirage: this run is not listed in 'mirage sessions': {e}", file=sys.stderr)
         self.journal.start()
         if not self.topology.in_process:
-            self._start_daemon()
-            self.journal.feed(self._pump_daemon_events, "daemon-events")
+            self.daemon.start()
+            self.journal.feed(self.daemon.pump_events, "daemon-events")
         self.journal.feed(self.journal.follow_rank_files, "rank-output")
         if self.topology.launcher is Launcher.SLURM:
             return self._start_on_hosts()
@@ -233,14 +162,14 @@ class Session:
         """``--launcher slurm``: an agent per host of the allocation (srun), each host running its share of
         the nodes; node 0's host is the rendezvous (MASTER_ADDR), as the first host of a Slurm job is."""
         topo = self.topology
-        with open(self._secret_file, "rb") as f:
+        with open(self.daemon.secret_file, "rb") as f:
             secret = f.read()
-        self.hosts = Hosts(self._address, secret, self.run.token, self.run.session, self.run.path, self.journal.emit,
-                           self._gone_elsewhere)
+        self.hosts = Hosts(self.daemon.address, secret, self.run.token, self.run.session, self.run.path,
+                           self.journal.emit, self.daemon.rank_exited)
         self.journal.on_registered = self._registered
         try:
-            agents = self.hosts.start(slurm_hosts(), self._daemon_env(), os.path.join(self.run.path, "srun.log"),
-                                      self.daemon_settings().args())
+            agents = self.hosts.start(slurm_hosts(), self.daemon.env(), os.path.join(self.run.path, "srun.log"),
+                                      self.daemon.settings().args())
         except HostsError as e:
             raise LaunchError(str(e), 1) from None
         per_host = topo.num_nodes // len(agents)
@@ -260,23 +189,13 @@ class Session:
             for proc, p in zip(self.hosts.launch(agent, list(topo.command), topo.workdir, processes), processes):
                 self.procs.append(Launched(proc, p.node, p.rank))
 
-    def _gone_elsewhere(self, host: str, rank: int, pid: int) -> None:
-        """Tell the daemon that rank ``rank``'s process on ``host`` is gone (it sees only this host's)."""
-        dealer = self._ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        try:
-            dealer.connect(endpoints(self.run.path)[0])
-            dealer.send(s.encode(s.RankExited(token=self.run.token, rank=rank, pid=pid, host=host)))
-            dealer.poll(1000)  # answered Ok once recorded
-        finally:
-            dealer.close(0)
-
     # ------------------------------------------------------------ wait / stop
 
     def wait(self) -> Outcome:
         """Block until every process exited (or one failed and the rest were stopped)."""
         first_failure: tuple[int, int] | None = None
         failed_at = 0.0
+        daemon = self.daemon.proc
         while True:
             running = 0
             self.journal.check_space()
@@ -289,8 +208,8 @@ class Session:
                     self.run.path,
                 )
             # before the nodes: ranks fail fast once the daemon is gone, and its death is the cause
-            if self.daemon is not None and self.daemon.poll() is not None and first_failure is None:
-                first_failure, failed_at = (-1, self.daemon.returncode), time.monotonic()
+            if daemon is not None and daemon.poll() is not None and first_failure is None:
+                first_failure, failed_at = (-1, daemon.returncode), time.monotonic()
             for i, launched in enumerate(self.procs):
                 code = launched.proc.poll()
                 if code is None:
@@ -315,7 +234,7 @@ class Session:
             how = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
             return Outcome(
                 DAEMON_DIED_EXIT,
-                f"the mirage daemon (pid {self.daemon.pid}) {how} during the run; see {self.run.path}/daemon.log",
+                f"the mirage daemon (pid {daemon.pid}) {how} during the run; see {self.run.path}/daemon.log",
                 self.run.path,
             )
         self.journal.settle()  # the summary reads the fold: which rank the daemon saw go first
@@ -445,8 +364,7 @@ class Session:
         self._terminate_nodes()
         if self.hosts is not None:
             self.hosts.finish()
-        if self.daemon is not None:
-            stop_child(self.daemon)
+        self.daemon.stop()
         self._sweep()
         self.journal.drain()
 
@@ -455,12 +373,11 @@ class Session:
         self.journal.close(outcome)
         report.write(self.state, self.topology, outcome, self.run)
         self.trace = kineto_trace.merge_traces(self.run.path)  # the ranks' traces/rank-R.json, if any
-        self._ctx.destroy(linger=0)
-        for secret in (self.run.token_file, self._secret_file):  # useless once the daemon is gone
-            try:
-                os.unlink(secret)
-            except OSError:
-                pass
+        self.daemon.close()
+        try:
+            os.unlink(self.run.token_file)  # useless once the daemon is gone
+        except OSError:
+            pass
         for node in range(self.topology.num_nodes):  # they hold the token too
             try:
                 os.unlink(sessions.node_env_path(self.run.path, node))
