@@ -8,38 +8,33 @@ files and node pipes) into one ordered stream that goes to ``events.jsonl``
 and to the caller's sink, and tears everything down at the end: nodes first,
 the daemon last, then anything still carrying the session's id.
 
-The event stream, the journal and the fold are the journal's (:mod:`.journal`);
-the emulator daemon, its process and sockets, are :mod:`.daemon`'s. What stands
-on its own lives outside the package: the environment a process gets
-(:mod:`~mirage_tui.launch_env`), starting and stopping processes
-(:mod:`~mirage_tui.processes`), other hosts (:mod:`~mirage_tui.hosts`), hang
-reports (:mod:`~mirage_tui.diagnosis`).
+Each part owns its state: :mod:`.journal` the event stream, the journal and the
+fold; :mod:`.daemon` the emulator daemon and its sockets; :mod:`.launcher` the
+command's processes. :class:`Session` starts them in order, waits for the run's
+end and tears down. What stands on its own lives outside the package: the
+environment a process gets (:mod:`~mirage_tui.launch_env`), starting and
+stopping processes (:mod:`~mirage_tui.processes`), other hosts
+(:mod:`~mirage_tui.hosts`), hang reports (:mod:`~mirage_tui.diagnosis`).
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
-import subprocess
 import sys
 import time
-from dataclasses import dataclass
 
 from emulator import kineto_trace
 from emulator import schema as s
 from emulator.arena import session_segments
-from emulator.daemon import endpoints
 from mirage_tui import diagnosis, flight_recorder, report, rundir, sessions
-from mirage_tui import agent_protocol as ap
-from mirage_tui.hosts import Hosts, HostsError, RemoteProcess
-from mirage_tui.launch_env import RankEnvironment, node_env, rank_env
-from mirage_tui.output import pump_pipe
-from mirage_tui.processes import TERM_GRACE_S, StartError, free_port, kill_carrying, signal_group, spawn
+from mirage_tui.hosts import RemoteProcess
+from mirage_tui.processes import kill_carrying
 from mirage_tui.runstate import Outcome, RunState
 from mirage_tui.session.daemon import LaunchError, SessionDaemon
 from mirage_tui.session.journal import Journal, Sink
-from mirage_tui.topology import Launcher, OnHang, Topology, UsageError, slurm_hosts
+from mirage_tui.session.launcher import NodeLauncher
+from mirage_tui.topology import OnHang, Topology, UsageError
 from shim.bootstrap import is_torchrun_agent
 
 #: How long the other nodes may keep running after one failed.
@@ -51,28 +46,14 @@ DAEMON_DIED_EXIT = 125
 #: Exit code of a run stopped because its run directory could not be written (sysexits' EX_IOERR).
 WRITE_FAILED_EXIT = 74
 
+__all__ = ["LaunchError", "Session"]
+
 
 def _signal_name(signum: int) -> str:
     try:
         return signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
-
-
-@dataclass(frozen=True)
-class Launched:
-    """One process the session started: a node's command, or (``--nproc-per-node``) one rank of a node."""
-
-    proc: subprocess.Popen | RemoteProcess  # RemoteProcess: started by the agent of another host
-    node: int
-    rank: int | None = None  # the global rank mirage gave it; None for a node process
-
-    def signal(self, sig: int) -> None:
-        """Send ``sig`` to its process group, on whichever host it runs."""
-        if isinstance(self.proc, RemoteProcess):
-            self.proc.send_signal(sig)
-        else:
-            signal_group(self.proc.pid, sig)
 
 
 class Session:
@@ -83,56 +64,13 @@ class Session:
         self.run = rundir.create(topology.log_dir, sockets=not topology.in_process)
         self.journal = Journal(self.run, sink)
         self.daemon = SessionDaemon(topology, self.run, self.journal.emit)
-        self.procs: list[Launched] = []  # every process started, in order: one per node, or one per rank
-        self._exited: list[int] = []  # indexes into procs of the processes seen ended, in that order
+        self.launcher = NodeLauncher(topology, self.run, self.daemon, self.journal)
         self.trace: str | None = None  # the merged trace.json of a clocked run, once closed
-        self.hosts: Hosts | None = None  # a multi-host run (--launcher slurm): the hosts' agents
-        self._master_addr = "127.0.0.1"  # MASTER_ADDR: this machine, or the host of node 0
 
     @property
     def state(self) -> RunState:
         """The fold of every event (the journal's): diagnoses, the report, the sink's reading."""
         return self.journal.state
-
-    # ------------------------------------------------------------ events
-
-    def _registered(self, e: s.RankRegistered) -> None:
-        """A rank on another host: its agent watches the process for the daemon."""
-        if self.hosts is not None and e.host and e.host != socket.gethostname():
-            self.hosts.watch(e.host, e.rank, e.pid)
-
-    # ------------------------------------------------------------ start
-
-    def where(self) -> RankEnvironment:
-        """What every launched process is told about this session (:mod:`mirage_tui.launch_env`)."""
-        daemon = self.daemon
-        return RankEnvironment(
-            topology=self.topology, session=self.run.session, run_dir=self.run.path, token=self.run.token,
-            endpoint=daemon.tcp_endpoint or endpoints(self.run.path)[0], master_addr=self._master_addr,
-            server_key=daemon.server_key if daemon.tcp_endpoint else "",
-            daemon_pid=daemon.proc.pid if daemon.proc is not None and not daemon.tcp_endpoint else None,
-        )
-
-    def node_env(self, node: int, master_port: int) -> dict[str, str]:
-        """The environment node process ``node`` starts with (:func:`mirage_tui.launch_env.node_env`)."""
-        return node_env(self.where(), node, master_port)
-
-    def rank_env(self, node: int, local_rank: int, master_port: int) -> dict[str, str]:
-        """The environment of rank ``local_rank`` of node ``node`` (:func:`mirage_tui.launch_env.rank_env`)."""
-        return rank_env(self.where(), node, local_rank, master_port)
-
-    def _launch(self, node: int, rank: int | None, env: dict[str, str]) -> None:
-        """Start the command as node ``node``'s process, or as its rank ``rank``; track it at once
-        (:func:`mirage_tui.processes.spawn`: a rank's output goes to its rank files, a node's to pipes)."""
-        topo = self.topology
-        try:
-            proc = spawn(topo.command, env, topo.workdir, self.run.ranks, rank)
-        except StartError as e:
-            raise LaunchError(str(e), e.returncode) from None
-        self.procs.append(Launched(proc, node, rank))
-        if rank is None:
-            self.journal.fed_by(pump_pipe(proc.stdout, node, s.Stream.STDOUT, self.journal.emit))
-            self.journal.fed_by(pump_pipe(proc.stderr, node, s.Stream.STDERR, self.journal.emit))
 
     def start(self) -> None:
         """Start the daemon (unless in-process), the event pumps and the node processes."""
@@ -145,51 +83,7 @@ class Session:
             self.daemon.start()
             self.journal.feed(self.daemon.pump_events, "daemon-events")
         self.journal.feed(self.journal.follow_rank_files, "rank-output")
-        if self.topology.launcher is Launcher.SLURM:
-            return self._start_on_hosts()
-        port = free_port()
-        for node in range(self.topology.num_nodes):  # for 'mirage exec SESSION --node N'
-            sessions.write_node_env(self.run.path, node, self.node_env(node, port))
-        nproc = self.topology.nproc_per_node
-        for node in range(self.topology.num_nodes):
-            if nproc is None:
-                self._launch(node, None, self.node_env(node, port))
-                continue
-            for local in range(nproc):
-                self._launch(node, node * nproc + local, self.rank_env(node, local, port))
-
-    def _start_on_hosts(self) -> None:
-        """``--launcher slurm``: an agent per host of the allocation (srun), each host running its share of
-        the nodes; node 0's host is the rendezvous (MASTER_ADDR), as the first host of a Slurm job is."""
-        topo = self.topology
-        with open(self.daemon.secret_file, "rb") as f:
-            secret = f.read()
-        self.hosts = Hosts(self.daemon.address, secret, self.run.token, self.run.session, self.run.path,
-                           self.journal.emit, self.daemon.rank_exited)
-        self.journal.on_registered = self._registered
-        try:
-            agents = self.hosts.start(slurm_hosts(), self.daemon.env(), os.path.join(self.run.path, "srun.log"),
-                                      self.daemon.settings().args())
-        except HostsError as e:
-            raise LaunchError(str(e), 1) from None
-        per_host = topo.num_nodes // len(agents)
-        self._master_addr, port = agents[0].hello.address, agents[0].hello.master_port
-        nproc = topo.nproc_per_node
-        for h, agent in enumerate(agents):
-            processes = []
-            for node in range(h * per_host, (h + 1) * per_host):
-                # for 'mirage exec SESSION --node N', which runs a probe on the node's host through srun
-                sessions.write_node_env(self.run.path, node, {**self.node_env(node, port), ap.HOST_TAG: agent.host,
-                                                              ap.SLURM_INDEX: str(agent.hello.slurm_node)})
-                if nproc is None:
-                    processes.append(ap.Process(node, None, self.node_env(node, port)))
-                else:
-                    processes += [ap.Process(node, node * nproc + local, self.rank_env(node, local, port))
-                                  for local in range(nproc)]
-            for proc, p in zip(self.hosts.launch(agent, list(topo.command), topo.workdir, processes), processes):
-                self.procs.append(Launched(proc, p.node, p.rank))
-
-    # ------------------------------------------------------------ wait / stop
+        self.launcher.start()
 
     def wait(self) -> Outcome:
         """Block until every process exited (or one failed and the rest were stopped)."""
@@ -197,10 +91,9 @@ class Session:
         failed_at = 0.0
         daemon = self.daemon.proc
         while True:
-            running = 0
             self.journal.check_space()
             if self.journal.write_error is not None:  # the disk is full: stop now rather than lose output silently
-                self._terminate_nodes()
+                self.launcher.terminate()
                 return Outcome(
                     WRITE_FAILED_EXIT,
                     f"could not write the run directory ({self.journal.write_error}); the run was stopped so "
@@ -210,25 +103,22 @@ class Session:
             # before the nodes: ranks fail fast once the daemon is gone, and its death is the cause
             if daemon is not None and daemon.poll() is not None and first_failure is None:
                 first_failure, failed_at = (-1, daemon.returncode), time.monotonic()
-            for i, launched in enumerate(self.procs):
-                code = launched.proc.poll()
-                if code is None:
-                    running += 1
-                    continue
-                if self._note_exit(i) and code != 0 and first_failure is None:
-                    first_failure, failed_at = (i, code), time.monotonic()
+            running, ended = self.launcher.poll()
+            for index, code in ended:
+                if code != 0 and first_failure is None:
+                    first_failure, failed_at = (index, code), time.monotonic()
             if not running:
                 break
             if first_failure and time.monotonic() - failed_at > FAIL_GRACE_S:
-                self._terminate_nodes()
+                self.launcher.terminate()
             hang = self._report_hangs()
             if hang is not None and self.topology.on_hang is OnHang.EXIT:
-                self._terminate_nodes()
+                self.launcher.terminate()
                 return Outcome(HANG_EXIT, hang, self.run.path)
             time.sleep(0.05)
         if first_failure is None:
             kind = "node" if self.topology.nproc_per_node is None else "rank"
-            return Outcome(0, f"all {len(self.procs)} {kind} process(es) exited 0", self.run.path)
+            return Outcome(0, f"all {len(self.launcher.procs)} {kind} process(es) exited 0", self.run.path)
         index, code = first_failure
         if index < 0:
             how = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
@@ -243,13 +133,14 @@ class Session:
     def _report_hangs(self) -> str | None:
         """Diagnose every hang the daemon reported since the last call; return a summary of the first."""
         summary = None
+        hosts = self.launcher.hosts
         while (finding := self.journal.next_hang()) is not None:
             label = self.state.comm_label(finding.comm)
             ranks = dict(self.state.ranks)  # a copy: the dispatcher adds ranks meanwhile
             rank_hosts = {r: status.host for r, status in ranks.items() if status.host}
             d = diagnosis.diagnose(
                 finding, dict(self.state.rank_pids), dict(self.state.last_output), self.run.ranks, self.run.session,
-                label, rank_hosts, None if self.hosts is None else self.hosts.remote_stacks,
+                label, rank_hosts, None if hosts is None else hosts.remote_stacks,
             )
             try:
                 path = diagnosis.write(d, self.run.path)
@@ -264,7 +155,7 @@ class Session:
                 text = f"{diagnosis.render(d)}\n  (the report and Flight Recorder dumps could not be saved: {why})"
             self.journal.emit(s.HangReport(comm=finding.comm, seq=finding.seq, text=text, path=path))
             missing = ", ".join(map(str, finding.missing))
-            if self.hosts is not None:  # several hosts: say where the missing ones run
+            if hosts is not None:  # several hosts: say where the missing ones run
                 missing = ", ".join(f"{r} on {rank_hosts[r]}" if rank_hosts.get(r) else str(r)
                                     for r in finding.missing)
             what = (f"world formation (init_process_group) of {finding.comm}" if finding.kind is s.HangKind.WORLD
@@ -275,7 +166,7 @@ class Session:
     def _failure_summary(self, index: int, code: int) -> str:
         """Who failed first (``procs[index]``) and how, then which ranks raised (and where their logs are)."""
         how = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
-        launched = self.procs[index]
+        launched = self.launcher.procs[index]
         node, pid = launched.node, launched.proc.pid
         if isinstance(launched.proc, RemoteProcess) and launched.proc.agent.lost:
             agent = launched.proc.agent
@@ -306,50 +197,6 @@ class Session:
         where = "; ".join(raised.values()) or f"log: {log}"
         return f"{who} {how}{first_gone}; {where}"
 
-    def _note_exit(self, index: int) -> bool:
-        """Note that ``procs[index]`` ended, the first time it is seen; True if this was it.
-
-        A node process's end is emitted as ``process_exited`` at once. Rank processes
-        (``--nproc-per-node``) end their node when the last of them ends: one
-        ``process_exited`` per node, as a node process's, with the code of the first
-        of its ranks that failed (and that rank's pid), else 0.
-        """
-        if index in self._exited:
-            return False
-        self._exited.append(index)
-        launched = self.procs[index]
-        if launched.rank is None:
-            self.journal.emit(s.ProcessExited(node=launched.node, pid=launched.proc.pid,
-                                              returncode=launched.proc.returncode))
-            return True
-        mates = [i for i, p in enumerate(self.procs) if p.node == launched.node]
-        if all(i in self._exited for i in mates):
-            ended = [self.procs[i].proc for i in self._exited if i in mates]  # in the order they ended
-            first = next((p for p in ended if p.returncode != 0), ended[-1])
-            self.journal.emit(s.ProcessExited(node=launched.node, pid=first.pid, returncode=first.returncode))
-        return True
-
-    def _terminate_nodes(self) -> None:
-        self.journal.stopping_ranks = True
-        for launched in self.procs:
-            launched.signal(signal.SIGTERM)
-        deadline = time.monotonic() + TERM_GRACE_S
-        for launched in self.procs:
-            proc = launched.proc
-            try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                launched.signal(signal.SIGKILL)
-                if not isinstance(proc, RemoteProcess):
-                    proc.wait()
-                    continue
-                try:
-                    proc.wait(ap.SILENCE_S)  # another host's answer comes over the network
-                except subprocess.TimeoutExpired:
-                    proc.ended(proc.pid, -signal.SIGKILL)
-        for i in range(len(self.procs)):
-            self._note_exit(i)
-
     def _sweep(self) -> None:
         """Kill anything still carrying this session's id (escaped process groups)."""
         kill_carrying(MIRAGE_SESSION=self.run.session)
@@ -361,9 +208,8 @@ class Session:
 
     def stop(self) -> None:
         """Tear down: nodes, then the hosts' agents, then the daemon, then stragglers; drain the event pumps."""
-        self._terminate_nodes()
-        if self.hosts is not None:
-            self.hosts.finish()
+        self.launcher.terminate()
+        self.launcher.finish()
         self.daemon.stop()
         self._sweep()
         self.journal.drain()
@@ -378,10 +224,5 @@ class Session:
             os.unlink(self.run.token_file)  # useless once the daemon is gone
         except OSError:
             pass
-        for node in range(self.topology.num_nodes):  # they hold the token too
-            try:
-                os.unlink(sessions.node_env_path(self.run.path, node))
-            except OSError:
-                pass
+        self.launcher.close()
         sessions.unregister(self.run.session)
-
