@@ -1,6 +1,6 @@
 """The daemon's tie to its session: noticing the session is gone, and cleaning up after it.
 
-The session (``mirage_tui/session.py``) owns every process and normally stops
+The session (``mirage_tui/session/``) owns every process and normally stops
 the daemon itself. If the session is SIGKILLed, the daemon notices
 (:func:`orphaned`) and stops the ranks of that session it knows of
 (:func:`stop_orphans`), so nothing is left behind.

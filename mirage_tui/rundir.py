@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from mirage_tui.topology import UsageError
 
 #: A unix socket's path must fit ``sun_path`` (108 bytes with its NUL); the daemon's longest is
-#: ``<run dir>/events.sock`` (see ``emulator.daemon.endpoints``).
+#: ``<run dir>/events.sock`` (see ``wire.endpoints.endpoints``).
 _MAX_SOCKET_PATH = 107
 _LONGEST_SOCKET = "events.sock"
 
