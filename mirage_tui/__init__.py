@@ -1,3 +1,3 @@
-"""mirage's console: the ``mirage`` command line, batch runs and (later) the TUI."""
+"""mirage's console: the ``mirage`` command line, the session that owns a run's processes, batch runs and the TUI."""
 
 __version__ = "0.1.0"

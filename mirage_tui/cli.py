@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from mirage_tui import __version__
-from mirage_tui.topology import (
+from mirage_tui.config.topology import (
     CLEARED_ENV_KEEPS,
     DEFAULT_HANG_TIMEOUT_S,
     CommandNotFound,
@@ -236,7 +236,7 @@ def _topology(ns: argparse.Namespace, command: tuple[str, ...] | None, help_prog
         validate(topology)
         check_combination(topology)
         if topology.launcher is Launcher.SLURM:
-            from mirage_tui import netif  # (psutil: only when needed)
+            from mirage_tui.hosts import netif  # (psutil: only when needed
 
             netif.choose()  # an interface to listen on, or a one-line error naming NCCL_SOCKET_IFNAME
     except UsageError as e:
@@ -248,7 +248,7 @@ def _topology(ns: argparse.Namespace, command: tuple[str, ...] | None, help_prog
 def _run(topology: Topology) -> int:
     # Imported here: the runner pulls in the session machinery, which neither
     # --help nor a usage error should pay for.
-    from mirage_tui.batch import run_batch
+    from mirage_tui.commands.batch import run_batch
 
     return run_batch(topology)
 
@@ -378,7 +378,7 @@ def _print_status(run_dir: str | None, log_dir: str | None, fr_dump: bool) -> in
     import os
     import time
 
-    from mirage_tui.runstate import RunState
+    from mirage_tui.state.runstate import RunState
 
     # a call site may carry a lone surrogate (a script path that is not UTF-8): print it escaped, not crash
     sys.stdout.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
@@ -402,7 +402,7 @@ def _print_status(run_dir: str | None, log_dir: str | None, fr_dump: bool) -> in
     for h in state.hangs:
         print(f"hang: {h.waiting_for(state.comm_label(h.comm))}: missing ranks {set(h.missing)}")
     if fr_dump:
-        from mirage_tui import flight_recorder
+        from mirage_tui.reports import flight_recorder
 
         print(f"Flight Recorder dumps: {flight_recorder.dump_run(run_dir)}")
     return 0
@@ -414,13 +414,13 @@ def _mirage(ns: argparse.Namespace, command: tuple[str, ...] | None) -> int:
             raise UsageError("'mirage profiles' takes no command after --")
         return _profiles(ns)
     if ns.cmd == "exec":
-        from mirage_tui import session_commands
+        from mirage_tui.commands import sessions as session_commands
 
         return session_commands.exec_in(ns.session, ns.node, command)
     if ns.cmd in ("sessions", "stop", "cleanup"):
         if command is not None:
             raise UsageError(f"'mirage {ns.cmd}' takes no command after --")
-        from mirage_tui import session_commands
+        from mirage_tui.commands import sessions as session_commands
 
         if ns.cmd == "sessions":
             return session_commands.list_sessions(ns.json, ns.all)
@@ -482,7 +482,7 @@ def _attach(ns: argparse.Namespace, command: tuple[str, ...] | None, theme: str)
     """``mirage-tui --attach [SESSION|RUN_DIR]``: the console on a live session another process owns."""
     import os
 
-    from mirage_tui import sessions
+    from mirage_tui.session import registry as sessions
 
     if command is not None:
         raise UsageError("--attach follows a live session; it takes no command after --")
@@ -512,7 +512,7 @@ def _attach(ns: argparse.Namespace, command: tuple[str, ...] | None, theme: str)
 
 def _replay(ns: argparse.Namespace, command: tuple[str, ...] | None, theme: str) -> int:
     """``mirage-tui --replay RUN_DIR``: play a recorded run in the console."""
-    from mirage_tui.replay import ReplayError, load
+    from mirage_tui.state.replay import ReplayError, load
 
     if command is not None:
         raise UsageError("--replay plays a recorded run; it takes no command after --")
@@ -531,8 +531,8 @@ def _console(ns: argparse.Namespace, command: tuple[str, ...] | None, theme: str
     """The Setup form prefilled from the flags (or, with none at all, the last run), then the run."""
     import os
 
-    from mirage_tui import topology_file
     from mirage_tui.app.app import MirageApp
+    from mirage_tui.config import topology_file
 
     # no flag at all: the form starts from the last run the console started, if any
     untouched = command is None and all(

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from mirage_tui.cli import tui_main
-from mirage_tui.topology import Topology, UsageError, parse_env, validate
+from mirage_tui.config.topology import Topology, UsageError, parse_env, validate
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -13,11 +13,12 @@ import json
 import clocked_events as ce
 import pytest
 
-from mirage_tui import report, rundir
+from mirage_tui.config import rundir
+from mirage_tui.config.topology import ExecMode, Topology
 from mirage_tui.glyphs import human_seconds
-from mirage_tui.runstate import Outcome, RunState
-from mirage_tui.runstate_clocked import step_segments
-from mirage_tui.topology import ExecMode, Topology
+from mirage_tui.reports import report
+from mirage_tui.state.clocked import step_segments
+from mirage_tui.state.runstate import Outcome, RunState
 from wire import kineto_trace
 
 MS = 1e-3

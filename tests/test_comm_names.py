@@ -16,11 +16,11 @@ import subprocess
 import sys
 
 import pytest
-
-from mirage_tui import flight_recorder, report
-from mirage_tui.runstate import Outcome, RunState
 from test_flight_recorder import analyze
 from test_run import FIXTURES, REPO_ROOT, events, mirage_run, run_dir
+
+from mirage_tui.reports import flight_recorder, report
+from mirage_tui.state.runstate import Outcome, RunState
 
 pytestmark = pytest.mark.usefixtures("no_orphans")
 

@@ -181,14 +181,14 @@ def test_allocator_refuses_what_does_not_fit_with_torchs_message():
 @pytest.mark.parametrize("text, size", [("8GiB", 8 << 30), ("512MiB", 512 << 20), ("80GB", 80 * 10**9),
                                         ("1.5G", 3 << 29), ("4096", 4096)])
 def test_hbm_sizes(text, size):
-    from mirage_tui.topology import parse_size
+    from mirage_tui.config.topology import parse_size
 
     assert parse_size(text) == size
 
 
 @pytest.mark.parametrize("text", ["3parsecs", "0", "-1GiB", "GiB", ""])
 def test_bad_hbm_sizes_are_usage_errors(text):
-    from mirage_tui.topology import UsageError, parse_size
+    from mirage_tui.config.topology import UsageError, parse_size
 
     with pytest.raises(UsageError, match="--hbm"):
         parse_size(text)

@@ -6,7 +6,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from mirage_tui import diagnosis
+from mirage_tui.reports import diagnosis
 
 
 def _stacks(*frames: str) -> str:

@@ -10,7 +10,7 @@ import sys
 import pytest
 from test_run import FIXTURES, REPO_ROOT, mirage_run, run_dir
 
-from mirage_tui.flight_recorder import PREFIX, dump_run, write_dumps
+from mirage_tui.reports.flight_recorder import PREFIX, dump_run, write_dumps
 from wire import schema as s
 
 SITE = "/job/train.py:42:train_step"
@@ -126,7 +126,7 @@ def test_dump_run_skips_torn_lines_and_loads_no_torch(tmp_path):
     assert "missing ranks: {0}" in analyze(out_dir)
     # the console imports this module; it must not drag torch in
     probe = subprocess.run(
-        [sys.executable, "-c", "import sys, mirage_tui.flight_recorder; print('torch' in sys.modules)"],
+        [sys.executable, "-c", "import sys, mirage_tui.reports.flight_recorder; print('torch' in sys.modules)"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
     )
     assert probe.stdout.strip() == "False", probe.stdout + probe.stderr

@@ -16,10 +16,10 @@ import zmq
 from daemon_client import DaemonProcess, stamped
 from test_cli_usage import mirage
 
-from mirage_tui import agent_protocol as ap
-from mirage_tui import netif
-from mirage_tui.hosts import Hosts
-from mirage_tui.topology import UsageError
+from mirage_tui.config.topology import UsageError
+from mirage_tui.hosts import netif
+from mirage_tui.hosts import protocol as ap
+from mirage_tui.hosts.head import Hosts
 from wire import kineto_trace
 from wire import schema as s
 from wire.endpoints import TCP_ENDPOINT_FILE

@@ -135,7 +135,7 @@ def test_batch_flag_of_mirage_tui(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "[0] 2 AMD Instinct MI350X" in r.stdout
     imported = [line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")]
-    assert "mirage_tui.batch" in imported
+    assert "mirage_tui.commands.batch" in imported
     assert not [m for m in imported if m.startswith("textual")], "batch mode imported Textual"
 
 

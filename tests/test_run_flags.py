@@ -23,8 +23,8 @@ from test_cli_usage import mirage
 from test_run import FIXTURES, REPO_ROOT, events, interrupt_when_sleeping, mirage_run, run_dir
 
 from mirage_tui.cli import tui_main
-from mirage_tui.launch_env import RankEnvironment, node_env
-from mirage_tui.topology import CLEARED_ENV_KEEPS, Topology
+from mirage_tui.config.launch_env import RankEnvironment, node_env
+from mirage_tui.config.topology import CLEARED_ENV_KEEPS, Topology
 
 pytestmark = pytest.mark.usefixtures("no_orphans")
 RANK_ENV = str(FIXTURES / "rank_env.py")

@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from test_run import FIXTURES, REPO_ROOT
 
 BIN = Path(sys.executable).parent
@@ -205,11 +204,11 @@ def test_an_attached_console_kills_a_rank_and_sees_the_run_end(tmp_path, monkeyp
     pytest.importorskip("textual")
     import asyncio
 
-    from mirage_tui import sessions
     from mirage_tui.app.app import MirageApp
     from mirage_tui.app.confirm import ConfirmScreen
     from mirage_tui.app.ranks_pane import RankTree
     from mirage_tui.app.report import ReportScreen
+    from mirage_tui.session import registry as sessions
 
     proc = _start_long_run(tmp_path)
     monkeypatch.setenv("XDG_RUNTIME_DIR", _env(tmp_path)["XDG_RUNTIME_DIR"])
@@ -253,7 +252,6 @@ def test_attach_served_to_a_real_browser_needs_the_token(tmp_path):
     import re
 
     import aiohttp
-
     from browser import screenshot
     from test_tui_serve import _free_port
 
@@ -308,10 +306,10 @@ def test_attach_without_a_name_offers_a_picker_when_several_are_live(tmp_path, m
 
     from textual.widgets import OptionList
 
-    from mirage_tui import sessions
     from mirage_tui.app.app import MirageApp
     from mirage_tui.app.feeds import AttachFeed
     from mirage_tui.app.session_picker import SessionPicker
+    from mirage_tui.session import registry as sessions
 
     first = _start_long_run(tmp_path)
     second = _start_long_run(tmp_path)

@@ -20,11 +20,6 @@ from orphans import session_processes  # noqa: E402
 from rich.console import Console  # noqa: E402
 from textual.widgets import Button, DataTable, Input, Log, Select, Static, Switch, TextArea, Tree  # noqa: E402
 
-from mirage_tui import (  # noqa: E402
-    launch_forms,
-    replay,  # noqa: E402
-    topology_file,
-)
 from mirage_tui.app.app import MirageApp  # noqa: E402
 from mirage_tui.app.confirm import ConfirmScreen  # noqa: E402
 from mirage_tui.app.ranks_pane import RankTree  # noqa: E402
@@ -33,7 +28,9 @@ from mirage_tui.app.run_screen import RunScreen  # noqa: E402
 from mirage_tui.app.setup import SetupScreen  # noqa: E402
 from mirage_tui.app.stacks_screen import StacksScreen  # noqa: E402
 from mirage_tui.app.timeline_pane import TimelineBox, TimelinePane  # noqa: E402
-from mirage_tui.topology import ExecMode, OnHang, Topology, UsageError, validate  # noqa: E402
+from mirage_tui.config import launch_forms, topology_file  # noqa: E402
+from mirage_tui.config.topology import ExecMode, OnHang, Topology, UsageError, validate  # noqa: E402
+from mirage_tui.state import replay  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = REPO_ROOT / "tests" / "fixtures" / "ml"
@@ -704,7 +701,7 @@ def test_replay_of_a_directory_without_events_is_a_usage_error(tmp_path, capsys)
 
 
 def test_batch_and_cli_do_not_import_textual():
-    code = "import sys, mirage_tui.batch, mirage_tui.cli, mirage_tui.replay; print('textual' in sys.modules)"
+    code = "import sys, mirage_tui.commands.batch, mirage_tui.cli, mirage_tui.state.replay; print('textual' in sys.modules)"
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True)
     assert r.stdout.strip() == "False", r.stderr
 
@@ -799,7 +796,7 @@ def test_gpu_pane_shows_memory_reports_with_history():
 
 
 def test_traffic_shows_every_collective_in_flight_and_throughput():
-    from mirage_tui.traffic import Traffic
+    from mirage_tui.state.traffic import Traffic
     from wire import schema as s
 
     mib = 2**20

@@ -1,4 +1,4 @@
-"""The run's fold (mirage_tui/runstate.py) on its own: rank and node states, and what each event changed.
+"""The run's fold (mirage_tui/state/runstate.py) on its own: rank and node states, and what each event changed.
 
 No Textual and no processes: the screens draw these words, batch mode's session
 and ``mirage status`` keep the same fold.
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mirage_tui import report
-from mirage_tui.runstate import Changed, Outcome, RunState
+from mirage_tui.reports import report
+from mirage_tui.state.runstate import Changed, Outcome, RunState
 from wire import schema as s
 
 HANG_RUN = Path(__file__).resolve().parent / "fixtures" / "runs" / "hang-2gpu"

@@ -22,11 +22,11 @@ pytest.importorskip("textual")
 from textual import events  # noqa: E402
 from textual.widgets import Log  # noqa: E402
 
-from mirage_tui import replay  # noqa: E402
 from mirage_tui.app.app import MirageApp  # noqa: E402
 from mirage_tui.app.output_pane import OutputPane  # noqa: E402
 from mirage_tui.app.ranks_pane import RankTree  # noqa: E402
 from mirage_tui.app.report import ReportScreen  # noqa: E402
+from mirage_tui.state import replay  # noqa: E402
 from wire import schema as s  # noqa: E402
 
 RANKS = 32

@@ -18,10 +18,10 @@ import pytest
 
 pytest.importorskip("pytest_textual_snapshot")
 
-from mirage_tui import replay  # noqa: E402
 from mirage_tui.app.app import MirageApp  # noqa: E402
 from mirage_tui.app.report import ReportScreen  # noqa: E402
-from mirage_tui.topology import Topology  # noqa: E402
+from mirage_tui.config.topology import Topology  # noqa: E402
+from mirage_tui.state import replay  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RECORDED_RUN = "tests/fixtures/runs/ddp-2gpu"  # relative: the snapshot shows the path as given

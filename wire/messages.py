@@ -102,7 +102,7 @@ class Message:
     """Base of every message; subclasses set ``TYPE``, and register in their base's ``CATALOGUE``.
 
     The daemon's messages are :data:`MESSAGE_TYPES`; another protocol on the same codec (the
-    multi-host agents', ``mirage_tui.agent_protocol``) gives its base class a catalogue of its own,
+    multi-host agents', ``mirage_tui.hosts.protocol``) gives its base class a catalogue of its own,
     so that neither side decodes the other's messages.
     """
 
@@ -627,7 +627,7 @@ class RankDebugging(Event):
 @dataclass(frozen=True)
 class RankExited(Request):
     """Process ``pid`` of rank ``rank``, on host ``host``, is gone: the daemon cannot see another host's
-    processes, so that host's agent (``mirage_tui.node_agent``) tells it, through the session."""
+    processes, so that host's agent (``mirage_tui.hosts.agent``) tells it, through the session."""
 
     TYPE: ClassVar[str] = "rank_exited"
     rank: int = 0

@@ -15,7 +15,6 @@ from textual.app import App, SystemCommand
 from textual.binding import Binding, BindingType
 from textual.screen import Screen
 
-from mirage_tui import topology_file
 from mirage_tui.app.confirm import ConfirmScreen
 from mirage_tui.app.feeds import STOPPED_EXIT, AttachFeed, LiveFeed, ReplayFeed
 from mirage_tui.app.help_screen import HelpScreen
@@ -24,11 +23,12 @@ from mirage_tui.app.run_screen import RunScreen
 from mirage_tui.app.session_picker import SessionPicker
 from mirage_tui.app.setup import SetupScreen
 from mirage_tui.app.themes import DEFAULT_THEME, register_themes
-from mirage_tui.replay import Recording
-from mirage_tui.runstate import Outcome
+from mirage_tui.config import topology_file
+from mirage_tui.config.topology import Topology
 from mirage_tui.session import Session
-from mirage_tui.sessions import SessionEntry
-from mirage_tui.topology import Topology
+from mirage_tui.session.registry import SessionEntry
+from mirage_tui.state.replay import Recording
+from mirage_tui.state.runstate import Outcome
 
 
 class MirageApp(App[int]):

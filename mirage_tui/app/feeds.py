@@ -17,12 +17,12 @@ from collections import deque
 import psutil
 from textual.message_pump import MessagePump
 
-from mirage_tui import sessions
 from mirage_tui.app.messages import EventsReady, ReplayProgress, RunFinished
-from mirage_tui.replay import Player, Recording
-from mirage_tui.runstate import Outcome
+from mirage_tui.config.topology import Topology
 from mirage_tui.session import LaunchError, Session
-from mirage_tui.topology import Topology
+from mirage_tui.session import registry as sessions
+from mirage_tui.state.replay import Player, Recording
+from mirage_tui.state.runstate import Outcome
 from wire import schema as s
 
 #: Exit code of a run the user stopped from the console (as a Ctrl-C in batch mode).

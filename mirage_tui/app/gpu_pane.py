@@ -6,7 +6,7 @@ from rich.text import Text
 from textual.widgets import Static
 
 from mirage_tui.glyphs import bar, human_bytes, sparkline
-from mirage_tui.runstate import RunState
+from mirage_tui.state.runstate import RunState
 
 BAR = 8
 

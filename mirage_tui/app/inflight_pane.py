@@ -7,7 +7,7 @@ from collections.abc import Callable
 from rich.text import Text
 from textual.widgets import Static
 
-from mirage_tui.traffic import Traffic
+from mirage_tui.state.traffic import Traffic
 
 
 class InFlightPane(Static):

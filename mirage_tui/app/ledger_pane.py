@@ -5,7 +5,7 @@ from __future__ import annotations
 from textual.widgets import DataTable
 
 from mirage_tui.glyphs import human_bytes
-from mirage_tui.runstate import RunState
+from mirage_tui.state.runstate import RunState
 from wire.kernels import KernelError, itemsize
 
 _COLUMNS = (("comm", "comm"), ("rank", "rank"), ("enq", "enqueued"), ("start", "started"),

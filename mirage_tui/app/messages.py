@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from textual.message import Message
 
-from mirage_tui.hang_stacks import RankStacks
-from mirage_tui.runstate import Outcome
+from mirage_tui.reports.hang_stacks import RankStacks
+from mirage_tui.state.runstate import Outcome
 
 
 class EventsReady(Message):

@@ -8,7 +8,7 @@ from textual.widgets.tree import TreeNode
 
 from mirage_tui.app.output_pane import Source
 from mirage_tui.app.themes import RANK_STATE_VARIABLES
-from mirage_tui.runstate import RunState
+from mirage_tui.state.runstate import RunState
 
 
 class RankTree(Tree[Source]):

@@ -1,6 +1,6 @@
 """The Report screen: how the run ended, per node and rank, what went wrong, where the logs are.
 
-It lays out :func:`mirage_tui.report.render`'s text of the run's fold, its first line in colour.
+It lays out :func:`mirage_tui.reports.report.render`'s text of the run's fold, its first line in colour.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from textual.containers import VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Static
 
-from mirage_tui import report
-from mirage_tui.runstate import Outcome, RunState
+from mirage_tui.reports import report
+from mirage_tui.state.runstate import Outcome, RunState
 
 
 class ReportScreen(Screen):

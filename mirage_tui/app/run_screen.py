@@ -4,7 +4,7 @@ in a clocked run, the ranks' timeline in emulated time.
 Its events come from a feed (a live session or a replay) that runs on another
 thread and only buffers events and posts messages. Every widget update happens
 here, in the handler that drains the buffer: each event goes into the run's
-fold (:class:`~mirage_tui.runstate.RunState`, the one batch mode's session and
+fold (:class:`~mirage_tui.state.runstate.RunState`, the one batch mode's session and
 ``mirage status`` keep too), and the panes (``*_pane.py``) then redraw what
 it says changed, reading only the fold.
 """
@@ -23,7 +23,6 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Input, Log, Static, Tree
 
-from mirage_tui import diagnosis, flight_recorder, hang_stacks
 from mirage_tui.app.confirm import ConfirmScreen
 from mirage_tui.app.feeds import AttachFeed, Feed, LiveFeed, ReplayFeed
 from mirage_tui.app.gpu_pane import GpuMemory
@@ -35,8 +34,9 @@ from mirage_tui.app.ranks_pane import RankTree
 from mirage_tui.app.stacks_screen import StacksScreen
 from mirage_tui.app.themes import RANK_STATE_VARIABLES
 from mirage_tui.app.timeline_pane import TimelineBox, TimelinePane
-from mirage_tui.hang_stacks import RankStacks
-from mirage_tui.runstate import Changed, Outcome, RunState
+from mirage_tui.reports import diagnosis, flight_recorder, hang_stacks
+from mirage_tui.reports.hang_stacks import RankStacks
+from mirage_tui.state.runstate import Changed, Outcome, RunState
 from wire import schema as s
 
 

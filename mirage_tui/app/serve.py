@@ -17,8 +17,8 @@ import os
 import shlex
 import sys
 
-from mirage_tui.sessions import SessionEntry
-from mirage_tui.topology import UsageError
+from mirage_tui.config.topology import UsageError
+from mirage_tui.session.registry import SessionEntry
 
 COOKIE = "mirage_token"
 

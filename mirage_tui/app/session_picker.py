@@ -12,7 +12,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, OptionList
 from textual.widgets.option_list import Option
 
-from mirage_tui.sessions import SessionEntry
+from mirage_tui.session.registry import SessionEntry
 
 
 def describe(entry: SessionEntry, now: float) -> str:

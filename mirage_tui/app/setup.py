@@ -1,10 +1,10 @@
 """The Setup screen: the topology as a form, checked as it is typed by the command line's own rules.
 
-Every change rebuilds a :class:`~mirage_tui.topology.Topology` from the form and
-runs :func:`~mirage_tui.topology.validate` on it (and :func:`parse_env` on each
+Every change rebuilds a :class:`~mirage_tui.config.topology.Topology` from the form and
+runs :func:`~mirage_tui.config.topology.validate` on it (and :func:`parse_env` on each
 env line), then the command line's own checks of flags that contradict each
-other and of the program (:func:`~mirage_tui.topology.check_combination`,
-:func:`~mirage_tui.topology.check_command`), so the form accepts exactly what
+other and of the program (:func:`~mirage_tui.config.topology.check_combination`,
+:func:`~mirage_tui.config.topology.check_command`), so the form accepts exactly what
 ``mirage run`` accepts and shows the same one-line message when it does not.
 """
 
@@ -21,9 +21,9 @@ from textual.screen import Screen
 from textual.suggester import Suggester
 from textual.widgets import Button, Footer, Header, Input, Label, Select, Static, Switch, TextArea
 
-from mirage_tui import launch_forms, topology_file
-from mirage_tui.completion import complete_path
-from mirage_tui.topology import (
+from mirage_tui.config import launch_forms, topology_file
+from mirage_tui.config.completion import complete_path
+from mirage_tui.config.topology import (
     ExecMode,
     Topology,
     UsageError,
@@ -42,7 +42,7 @@ _EXEC_MODES = [("functional: right answers, no notion of time", ExecMode.FUNCTIO
 
 
 class PathSuggester(Suggester):
-    """Offers :func:`~mirage_tui.completion.complete_path` as the command field's suggestion (→ accepts it)."""
+    """Offers :func:`~mirage_tui.config.completion.complete_path` as the command field's suggestion (→ accepts it)."""
 
     def __init__(self) -> None:
         # the file system changes under the form: never answer from a cache

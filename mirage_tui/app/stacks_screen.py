@@ -11,7 +11,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Footer, OptionList, Static
 from textual.widgets.option_list import Option
 
-from mirage_tui.hang_stacks import RankStacks
+from mirage_tui.reports.hang_stacks import RankStacks
 
 
 class StacksScreen(ModalScreen[None]):

@@ -1,6 +1,6 @@
 """The Run screen's clocked timeline: one lane per rank over emulated time, for the last few steps.
 
-Drawn from the fold's :meth:`~mirage_tui.runstate.RunState.timeline` (each rank's steps and its
+Drawn from the fold's :meth:`~mirage_tui.state.runstate.RunState.timeline` (each rank's steps and its
 communicators' collectives in emulated seconds) with block characters: compute ``█``, a collective
 ``▓`` (a glyph and colour per communicator), waiting for a collective to start ``░``. A slow rank's
 lane is solid while the others' show ``░`` before the collectives it holds up, and a wider step.
@@ -14,8 +14,8 @@ from textual.containers import VerticalScroll
 from textual.widgets import Static
 
 from mirage_tui.glyphs import human_seconds
-from mirage_tui.runstate import RunState
-from mirage_tui.runstate_clocked import Timeline
+from mirage_tui.state.clocked import Timeline
+from mirage_tui.state.runstate import RunState
 
 #: Steps the timeline shows: the last ones every rank reported.
 STEPS = 3

@@ -13,9 +13,9 @@ fold; :mod:`.daemon` the emulator daemon and its sockets; :mod:`.launcher` the
 command's processes; :mod:`.lifecycle` holds :class:`Session`, which starts them
 in order, waits for the run's end and tears down. What stands on its own lives
 outside the package: the environment a process gets
-(:mod:`~mirage_tui.launch_env`), starting and stopping processes
-(:mod:`~mirage_tui.processes`), other hosts (:mod:`~mirage_tui.hosts`), hang
-reports (:mod:`~mirage_tui.diagnosis`).
+(:mod:`~mirage_tui.config.launch_env`), starting and stopping processes
+(:mod:`~mirage_tui.hosts.processes`), other hosts (:mod:`~mirage_tui.hosts.head`), hang
+reports (:mod:`~mirage_tui.reports.diagnosis`).
 """
 
 from mirage_tui.session.daemon import LaunchError

@@ -17,12 +17,12 @@ from collections.abc import Callable
 
 import zmq
 
-from mirage_tui import netif
-from mirage_tui.daemon_proc import DaemonSettings, DaemonStartError, start_daemon
-from mirage_tui.launch_env import BOOT_DIR
-from mirage_tui.processes import stop_child
-from mirage_tui.rundir import RunDir
-from mirage_tui.topology import Launcher, Topology, UsageError
+from mirage_tui.config.launch_env import BOOT_DIR
+from mirage_tui.config.rundir import RunDir
+from mirage_tui.config.topology import Launcher, Topology, UsageError
+from mirage_tui.hosts import netif
+from mirage_tui.hosts.daemon_proc import DaemonSettings, DaemonStartError, start_daemon
+from mirage_tui.hosts.processes import stop_child
 from wire import schema as s
 from wire.endpoints import TCP_ENDPOINT_FILE, endpoints
 

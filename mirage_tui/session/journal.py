@@ -2,7 +2,7 @@
 
 Events come from any thread (:meth:`Journal.emit`): the daemon's, the ranks' and nodes' output, the
 session's own. One dispatcher thread handles them in order; it alone writes the journal, the logs and the
-fold (:class:`~mirage_tui.runstate.RunState`, which takes each event before the sink does) and calls the
+fold (:class:`~mirage_tui.state.runstate.RunState`, which takes each event before the sink does) and calls the
 sink. A write that fails, or a run directory with no room left, becomes :attr:`Journal.write_error`, on
 which the session stops the run. The threads that feed the queue (:meth:`Journal.feed`) are drained at
 the end for as long as they make progress.
@@ -19,9 +19,9 @@ import time
 import traceback
 from collections.abc import Callable
 
+from mirage_tui.config.rundir import RunDir
 from mirage_tui.output import RankTail
-from mirage_tui.rundir import RunDir
-from mirage_tui.runstate import Outcome, RunState
+from mirage_tui.state.runstate import Outcome, RunState
 from wire import schema as s
 
 #: How often the run directory's free space is checked, and how little counts as full.

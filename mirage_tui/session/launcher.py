@@ -1,8 +1,8 @@
 """The processes a session starts for the command: one per emulated node, or (``--nproc-per-node``) one per rank.
 
 It gives each the environment that leads it to the session's daemon and rendezvous
-(:mod:`~mirage_tui.launch_env`), starts it here (:func:`~mirage_tui.processes.spawn`) or, with
-``--launcher slurm``, through the agent of a host of the allocation (:class:`~mirage_tui.hosts.Hosts`),
+(:mod:`~mirage_tui.config.launch_env`), starts it here (:func:`~mirage_tui.hosts.processes.spawn`) or, with
+``--launcher slurm``, through the agent of a host of the allocation (:class:`~mirage_tui.hosts.head.Hosts`),
 and keeps the list: which ended, in which order (a node's ``process_exited``), and stopping them all.
 """
 
@@ -15,16 +15,16 @@ import subprocess
 import time
 from dataclasses import dataclass
 
-from mirage_tui import agent_protocol as ap
-from mirage_tui import sessions
-from mirage_tui.hosts import Hosts, HostsError, RemoteProcess
-from mirage_tui.launch_env import RankEnvironment, node_env, rank_env
+from mirage_tui.config.launch_env import RankEnvironment, node_env, rank_env
+from mirage_tui.config.rundir import RunDir
+from mirage_tui.config.topology import Launcher, Topology, slurm_hosts
+from mirage_tui.hosts import protocol as ap
+from mirage_tui.hosts.head import Hosts, HostsError, RemoteProcess
+from mirage_tui.hosts.processes import TERM_GRACE_S, StartError, free_port, signal_group, spawn
 from mirage_tui.output import pump_pipe
-from mirage_tui.processes import TERM_GRACE_S, StartError, free_port, signal_group, spawn
-from mirage_tui.rundir import RunDir
+from mirage_tui.session import registry as sessions
 from mirage_tui.session.daemon import LaunchError, SessionDaemon
 from mirage_tui.session.journal import Journal
-from mirage_tui.topology import Launcher, Topology, slurm_hosts
 from wire import schema as s
 from wire.endpoints import endpoints
 
@@ -59,7 +59,7 @@ class NodeLauncher:
         self._master_addr = "127.0.0.1"  # MASTER_ADDR: this machine, or the host of node 0
 
     def where(self) -> RankEnvironment:
-        """What every launched process is told about this session (:mod:`mirage_tui.launch_env`)."""
+        """What every launched process is told about this session (:mod:`mirage_tui.config.launch_env`)."""
         daemon = self.daemon
         return RankEnvironment(
             topology=self.topology, session=self.run.session, run_dir=self.run.path, token=self.run.token,
@@ -69,11 +69,11 @@ class NodeLauncher:
         )
 
     def node_env(self, node: int, master_port: int) -> dict[str, str]:
-        """The environment node process ``node`` starts with (:func:`mirage_tui.launch_env.node_env`)."""
+        """The environment node process ``node`` starts with (:func:`mirage_tui.config.launch_env.node_env`)."""
         return node_env(self.where(), node, master_port)
 
     def rank_env(self, node: int, local_rank: int, master_port: int) -> dict[str, str]:
-        """The environment of rank ``local_rank`` of node ``node`` (:func:`mirage_tui.launch_env.rank_env`)."""
+        """The environment of rank ``local_rank`` of node ``node`` (:func:`mirage_tui.config.launch_env.rank_env`)."""
         return rank_env(self.where(), node, local_rank, master_port)
 
     def start(self) -> None:
@@ -93,7 +93,7 @@ class NodeLauncher:
 
     def _launch(self, node: int, rank: int | None, env: dict[str, str]) -> None:
         """Start the command as node ``node``'s process, or as its rank ``rank``; track it at once
-        (:func:`mirage_tui.processes.spawn`: a rank's output goes to its rank files, a node's to pipes)."""
+        (:func:`mirage_tui.hosts.processes.spawn`: a rank's output goes to its rank files, a node's to pipes)."""
         topo = self.topology
         try:
             proc = spawn(topo.command, env, topo.workdir, self.run.ranks, rank)

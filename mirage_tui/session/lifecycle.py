@@ -14,14 +14,16 @@ import signal
 import sys
 import time
 
-from mirage_tui import diagnosis, flight_recorder, report, rundir, sessions
-from mirage_tui.hosts import RemoteProcess
-from mirage_tui.processes import kill_carrying
-from mirage_tui.runstate import Outcome, RunState
+from mirage_tui.config import rundir
+from mirage_tui.config.topology import OnHang, Topology, UsageError
+from mirage_tui.hosts.head import RemoteProcess
+from mirage_tui.hosts.processes import kill_carrying
+from mirage_tui.reports import diagnosis, flight_recorder, report
+from mirage_tui.session import registry as sessions
 from mirage_tui.session.daemon import SessionDaemon
 from mirage_tui.session.journal import Journal, Sink
 from mirage_tui.session.launcher import NodeLauncher
-from mirage_tui.topology import OnHang, Topology, UsageError
+from mirage_tui.state.runstate import Outcome, RunState
 from shim.bootstrap import is_torchrun_agent
 from wire import kineto_trace
 from wire import schema as s

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mirage_tui.processes import free_port
+from mirage_tui.hosts.processes import free_port
 from tests.frameworks.fwrun import FW, assert_same_training, framework_env, mirage_in, on_cpu, under_mirage
 from tests.test_run import REPO_ROOT
 

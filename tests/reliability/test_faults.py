@@ -25,7 +25,7 @@ import psutil
 import pytest
 from test_run import REPO_ROOT, mirage_run, run_dir
 
-from mirage_tui.runstate import read_journal
+from mirage_tui.state.runstate import read_journal
 from wire import schema as s
 
 WORKLOADS = Path(__file__).resolve().parent / "workloads"

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from mirage_tui import flight_recorder
-from mirage_tui.runstate import RunState, read_journal
+from mirage_tui.reports import flight_recorder
+from mirage_tui.state.runstate import RunState, read_journal
 from wire import schema as s
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -109,7 +109,7 @@ def test_journal_readers_take_the_good_lines_and_never_raise(tmp_path, seed):
     json.dumps(state.to_json())
     assert flight_recorder.write_dumps(read_journal(str(journal)), str(tmp_path / "fr"))
     try:  # the console's replay (when this checkout has it) reads the same lines the same way
-        from mirage_tui import replay
+        from mirage_tui.state import replay
     except ImportError:
         return
     recording = replay.load(str(tmp_path))
@@ -142,7 +142,7 @@ FORBIDDEN = {
 }
 #: Writing pickles is allowed in exactly one place: Flight Recorder dumps, which torch's analyzer reads.
 #: (``torch.load`` is not scanned: the shim only maps devices for the user's own call of it.)
-PICKLE_WRITERS = {"mirage_tui/flight_recorder.py"}
+PICKLE_WRITERS = {"mirage_tui/reports/flight_recorder.py"}
 #: The wire codec compiles an encoder, a decoder and an ``__init__`` per message class at import, as
 #: ``dataclasses`` does, from the classes' own field names (checked against an identifier pattern),
 #: never from a message's bytes. Exactly these lines may call ``exec``; any other is reported.
@@ -200,7 +200,7 @@ def test_the_scan_would_catch_each_pattern():
 
 def test_replay_at_recorded_pace_survives_an_absurd_gap():
     """Two events 1e300 s apart: the player waits (in slices) instead of raising OverflowError."""
-    from mirage_tui import replay
+    from mirage_tui.state import replay
 
     gen = random.Random(3)
     first, second = (random_event(gen, ["0" * 32]) for _ in range(2))

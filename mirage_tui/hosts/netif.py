@@ -14,7 +14,7 @@ import socket
 
 import psutil
 
-from mirage_tui.topology import UsageError
+from mirage_tui.config.topology import UsageError
 
 
 def _matches(name: str, spec: str) -> bool:

@@ -9,10 +9,10 @@ import json
 import os
 import sys
 
+from mirage_tui.config.rundir import RunDir
+from mirage_tui.config.topology import ExecMode, Topology
 from mirage_tui.glyphs import human_bytes, human_seconds
-from mirage_tui.rundir import RunDir
-from mirage_tui.runstate import Outcome, RunState
-from mirage_tui.topology import ExecMode, Topology
+from mirage_tui.state.runstate import Outcome, RunState
 from wire.schema import HangKind
 
 

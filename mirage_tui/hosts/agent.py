@@ -1,7 +1,7 @@
 """One host's agent in a multi-host run (``mirage run --launcher slurm``).
 
 The head's session starts one agent per host with ``srun``. An agent connects
-to the session (CURVE over TCP: :mod:`mirage_tui.agent_protocol`), says which
+to the session (CURVE over TCP: :mod:`mirage_tui.hosts.protocol`), says which
 host it is, and then does on its host what the session does on its own: starts
 the emulated nodes' programs the session sends it (:class:`~agent_protocol.Launch`),
 reads their output (rank files in a local run directory, node pipes) and sends
@@ -30,11 +30,12 @@ import time
 
 import zmq
 
-from mirage_tui import agent_protocol as ap
-from mirage_tui import diagnosis, netif
-from mirage_tui.daemon_proc import DaemonSettings, DaemonStartError, StartedDaemon, start_daemon
+from mirage_tui.hosts import netif
+from mirage_tui.hosts import protocol as ap
+from mirage_tui.hosts.daemon_proc import DaemonSettings, DaemonStartError, StartedDaemon, start_daemon
+from mirage_tui.hosts.processes import StartError, free_port, kill_carrying, signal_group, spawn, stop_child, terminate
 from mirage_tui.output import RankTail, pump_pipe
-from mirage_tui.processes import StartError, free_port, kill_carrying, signal_group, spawn, stop_child, terminate
+from mirage_tui.reports import diagnosis
 from wire import kineto_trace
 from wire import schema as s
 from wire.endpoints import endpoints
@@ -281,13 +282,13 @@ class Agent:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m mirage_tui.node_agent [daemon flags]``, started by the session through ``srun`` with its daemon's
+    """``python -m mirage_tui.hosts.agent [daemon flags]``, started by the session through ``srun`` with its daemon's
     settings (:meth:`DaemonSettings.args`); its environment says the rest."""
-    settings = DaemonSettings.parse(argv, "python -m mirage_tui.node_agent")
+    settings = DaemonSettings.parse(argv, "python -m mirage_tui.hosts.agent")
     env = os.environ
     missing = [k for k in ("MIRAGE_AGENT_BUS", "MIRAGE_SERVER_KEY", "MIRAGE_TOKEN", "MIRAGE_SESSION") if not env.get(k)]
     if missing:
-        print(f"mirage_tui.node_agent: {', '.join(missing)} not set; the agent is started by "
+        print(f"mirage_tui.hosts.agent: {', '.join(missing)} not set; the agent is started by "
               f"'mirage run --launcher slurm', not by hand", file=sys.stderr)
         return 2
     agent = Agent(env["MIRAGE_AGENT_BUS"], env["MIRAGE_SERVER_KEY"], env["MIRAGE_TOKEN"], env["MIRAGE_SESSION"],

@@ -11,11 +11,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from mirage_tui.topology import ExecMode, Topology, kept_env
+from mirage_tui.config.topology import ExecMode, Topology, kept_env
 from wire import faults
 from wire.profiles import profile_path
 
-BOOT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "shim", "boot")
+BOOT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "shim", "boot")
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ def node_env(where: RankEnvironment, node: int, master_port: int) -> dict[str, s
     would see there. Several nodes launched directly (one process per node)
     get ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` for ``env://``, as a job
     scheduler gives them. What the user exported passes through, as in a shell
-    (with ``--clear-env-vars``, only :data:`~mirage_tui.topology.CLEARED_ENV_KEEPS`).
+    (with ``--clear-env-vars``, only :data:`~mirage_tui.config.topology.CLEARED_ENV_KEEPS`).
     """
     topo = where.topology
     if topo.clear_env:

@@ -1,7 +1,7 @@
 """Topologies saved as TOML: the last run's (``.mirage/last-topology.toml``) and any the user keeps.
 
 No Textual here. Loading checks every field's type and names the bad one; the
-values themselves are checked by :func:`mirage_tui.topology.validate`, as the
+values themselves are checked by :func:`mirage_tui.config.topology.validate`, as the
 command line's are.
 """
 
@@ -12,7 +12,7 @@ import json
 import os
 import tomllib
 
-from mirage_tui.topology import ExecMode, Topology, UsageError
+from mirage_tui.config.topology import ExecMode, Topology, UsageError
 
 #: Where the console keeps the topology of the last run it started (next to ``.mirage/runs``).
 LAST_PATH = os.path.join(".mirage", "last-topology.toml")

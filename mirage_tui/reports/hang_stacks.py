@@ -1,6 +1,6 @@
 """Every rank's Python stacks at a hang, read back from the run's ``hang-report.json``.
 
-The session writes the report (:func:`mirage_tui.diagnosis.write`) before it
+The session writes the report (:func:`mirage_tui.reports.diagnosis.write`) before it
 publishes the ``hang_report`` event, so the file is there when the console hears
 of the hang; a replay reads the recorded run's copy. No Textual here.
 """

@@ -1,7 +1,7 @@
 """The head's side of a multi-host run (``--launcher slurm``): one agent per host, started with ``srun``.
 
 :class:`Hosts` binds the session's agent bus (ZeroMQ ROUTER, TCP on the chosen
-interface only, CURVE), starts ``srun ... python -m mirage_tui.node_agent``
+interface only, CURVE), starts ``srun ... python -m mirage_tui.hosts.agent``
 inside the Slurm allocation, waits until every host's agent has said hello
 with the session token, and then carries the session's orders to the hosts
 (launch, kill, watch, dump stacks) and their news back: output lines, process
@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from mirage_tui import agent_protocol as ap
-from mirage_tui.processes import signal_group
+from mirage_tui.hosts import protocol as ap
+from mirage_tui.hosts.processes import signal_group
 from wire import kineto_trace
 from wire import schema as s
 
@@ -137,7 +137,7 @@ class Hosts:
         try:
             self.srun = subprocess.Popen(
                 ["srun", f"--nodes={hosts}", f"--ntasks={hosts}", "--ntasks-per-node=1", "--kill-on-bad-exit=0",
-                 f"--job-name=mirage-{self.session}", sys.executable, "-m", "mirage_tui.node_agent", *daemon_args],
+                 f"--job-name=mirage-{self.session}", sys.executable, "-m", "mirage_tui.hosts.agent", *daemon_args],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, start_new_session=True,
             )
         except FileNotFoundError:

@@ -11,9 +11,10 @@ import subprocess
 import sys
 import time
 
-from mirage_tui import agent_protocol as ap
-from mirage_tui import cleanup, sessions
-from mirage_tui.topology import CommandNotFound, UsageError
+from mirage_tui.commands import cleanup
+from mirage_tui.config.topology import CommandNotFound, UsageError
+from mirage_tui.hosts import protocol as ap
+from mirage_tui.session import registry as sessions
 
 
 def _age(seconds: float) -> str:

@@ -7,7 +7,7 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from mirage_tui.topology import UsageError
+from mirage_tui.config.topology import UsageError
 
 #: A unix socket's path must fit ``sun_path`` (108 bytes with its NUL); the daemon's longest is
 #: ``<run dir>/events.sock`` (see ``wire.endpoints.endpoints``).

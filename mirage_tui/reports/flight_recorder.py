@@ -20,7 +20,7 @@ import pickle
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from mirage_tui.runstate import read_journal
+from mirage_tui.state.runstate import read_journal
 from wire import schema as s
 
 #: The dump format version torch 2.13 writes (``version_val`` in

@@ -1,7 +1,7 @@
 """The clocked part of the run's fold: every rank's steps and collectives in emulated time, and what is
 derived from them (each rank's step figures, the run's predicted step, the timeline's lanes).
 
-:class:`~mirage_tui.runstate.RunState` keeps the events (``clocked_steps``, ``clocked_colls``) and
+:class:`~mirage_tui.state.runstate.RunState` keeps the events (``clocked_steps``, ``clocked_colls``) and
 answers through the functions here; they read those events and nothing else, so the rules of the
 prediction and of the timeline read in one place. No Textual, no process, nothing drawn.
 """

@@ -8,10 +8,10 @@ from __future__ import annotations
 import signal
 import sys
 
-from mirage_tui import report
-from mirage_tui.runstate import Outcome, RunState
+from mirage_tui.config.topology import Topology
+from mirage_tui.reports import report
 from mirage_tui.session import LaunchError, Session
-from mirage_tui.topology import Topology
+from mirage_tui.state.runstate import Outcome, RunState
 from wire import schema as s
 
 

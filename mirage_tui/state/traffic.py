@@ -1,6 +1,6 @@
 """Collective traffic: every collective in flight (bytes done, wave by wave) and the throughput history.
 
-Part of the run's fold (:attr:`mirage_tui.runstate.RunState.traffic`). No Textual
+Part of the run's fold (:attr:`mirage_tui.state.runstate.RunState.traffic`). No Textual
 here. Times are the events' own, so a replay draws what the live run drew.
 """
 
@@ -87,7 +87,7 @@ class Traffic:
     def lines(self, now: float, name: Callable[[str], str] | None = None) -> list[str]:
         """One line per collective in flight, oldest first: op, seq, communicator, bar, bytes, age at ``now``.
 
-        ``name`` names a communicator (the fold's :meth:`~mirage_tui.runstate.RunState.comm_label`); without
+        ``name`` names a communicator (the fold's :meth:`~mirage_tui.state.runstate.RunState.comm_label`); without
         it, its id's first characters.
         """
         names = {comm: name(comm) if name else comm[:8] for comm, _ in self.inflight}

@@ -8,7 +8,7 @@ GPU memory, collectives in flight, the clocked timeline, the Report screen). Not
 process or draws: feed it events with :meth:`RunState.apply`, read its fields
 and tables. Each reader folds into its own instance on its own thread (the
 session on its dispatcher, the console on its UI thread). What clocked mode derives
-from its steps (figures, prediction, timeline) is computed in :mod:`mirage_tui.runstate_clocked`.
+from its steps (figures, prediction, timeline) is computed in :mod:`mirage_tui.state.clocked`.
 
 Up to 650 lines on purpose: the fold is one table of small handlers, one per
 event, over the one state they share; what clocked mode derives lives beside it.
@@ -21,10 +21,10 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from mirage_tui import runstate_clocked
 from mirage_tui.glyphs import human_bytes
-from mirage_tui.runstate_clocked import CLOCKED_COLLECTIVES, ClockedColl, Prediction, RankClock, Timeline
-from mirage_tui.traffic import Traffic
+from mirage_tui.state import clocked as runstate_clocked
+from mirage_tui.state.clocked import CLOCKED_COLLECTIVES, ClockedColl, Prediction, RankClock, Timeline
+from mirage_tui.state.traffic import Traffic
 from wire import schema as s
 
 #: Samples of allocated bytes kept per (rank, GPU): the console draws them as a sparkline in a narrow pane.

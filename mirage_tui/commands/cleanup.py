@@ -18,9 +18,11 @@ from dataclasses import dataclass
 
 import psutil
 
-from mirage_tui import report, rundir, sessions
-from mirage_tui.runstate import Outcome, RunState
-from mirage_tui.topology import ExecMode, Topology
+from mirage_tui.config import rundir
+from mirage_tui.config.topology import ExecMode, Topology
+from mirage_tui.reports import report
+from mirage_tui.session import registry as sessions
+from mirage_tui.state.runstate import Outcome, RunState
 from wire import schema as s
 from wire.arena import session_segments
 from wire.endpoints import EVENT_SOCKET, FAST_SOCKET, RPC_SOCKET

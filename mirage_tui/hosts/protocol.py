@@ -2,7 +2,7 @@
 
 The head's session binds one ZeroMQ ROUTER on TCP (CURVE: the agents know its
 public key, so no other process can pose as the head and have them start
-programs); each host's agent (:mod:`mirage_tui.node_agent`) connects a DEALER.
+programs); each host's agent (:mod:`mirage_tui.hosts.agent`) connects a DEALER.
 The agent's first message, :class:`AgentHello`, carries the session token; the
 session ignores a connection until it has presented it. The messages are the
 wire format's (:class:`wire.messages.Message` subclasses, encoded and checked by
@@ -22,7 +22,7 @@ from wire import schema as s
 #: every agent message class by its ``type``
 AGENT_TYPES: dict[str, type[AgentMessage]] = {}
 #: The largest message either side takes (a part of a trace file, a batch of output lines): the head's
-#: ZeroMQ socket drops bigger ones (``zmq.MAXMSGSIZE``, set from this in ``mirage_tui.hosts``).
+#: ZeroMQ socket drops bigger ones (``zmq.MAXMSGSIZE``, set from this in ``mirage_tui.hosts.head``).
 MAX_AGENT_MESSAGE_BYTES = 64 << 20
 #: The head sends a Heartbeat this often, and each agent too.
 HEARTBEAT_S = 0.5

@@ -1,7 +1,7 @@
 """Starting an emulator daemon (``python -m emulator``) and waiting until it serves.
 
 The session starts one for its run; in a multi-host run each host's agent
-(:mod:`mirage_tui.node_agent`) starts one more for the communicators whose
+(:mod:`mirage_tui.hosts.agent`) starts one more for the communicators whose
 members all run on that host. Both wait the same way: the daemon is ready once
 a ping is answered and its ``DaemonReady`` reached the caller's SUB socket
 (before that, ZeroMQ may drop events: the slow-joiner window).
@@ -39,7 +39,7 @@ class DaemonSettings:
     exec_mode: str  # "functional" or "clocked"
 
     def args(self) -> list[str]:
-        """These settings as ``python -m emulator`` flags (``mirage_tui.node_agent`` takes the same: :meth:`parse`)."""
+        """These settings as ``python -m emulator`` flags (``mirage_tui.hosts.agent`` takes the same: :meth:`parse`)."""
         return ["--profile", self.profile, "--nodes", str(self.nodes), "--gpus-per-node", str(self.gpus_per_node),
                 "--hang-timeout", str(self.hang_timeout_s), "--exec-mode", self.exec_mode]
 

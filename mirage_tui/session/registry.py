@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass, field
 
 import psutil
 
-from mirage_tui.runstate import RunState
-from mirage_tui.topology import Topology, UsageError
+from mirage_tui.config.topology import Topology, UsageError
+from mirage_tui.state.runstate import RunState
 
 #: The run directory's copy of its entry.
 SESSION_FILE = "session.json"
