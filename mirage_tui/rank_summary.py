@@ -48,6 +48,7 @@ class Laggard:
     seq: int  # the last collective it posted on this communicator (0: none yet)
     op: str  # that collective's op ("" before any)
     state: str  # its cell state: behind (computing towards the next post), stuck, missing, failed, ...
+    waits_in: str = ""  # where it waits itself, held up by another ("mesh_tp (794f54dd) #7"), if it does
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ class Summary:
 def summarize(state: RunState, now: float | None = None) -> Summary:
     """Every registered rank's cell state and every communicator's progress, as of ``now`` (the run's clock)."""
     now = state.last_t if now is None else now
-    in_coll: set[int] = set()
+    in_coll: dict[int, tuple[str, int]] = {}  # rank -> a collective it waits in: (communicator, seq)
     behind_in: dict[int, list[tuple[str, int, int]]] = {}
     frontiers = []  # (communicator, frontier seq, its op, the members behind it)
     for c in state.comms.values():
@@ -110,7 +111,7 @@ def summarize(state: RunState, now: float | None = None) -> Summary:
         behind = []
         for rank, pos in c.ranks.items():
             if pos.last_enqueued > pos.last_completed:
-                in_coll.add(rank)
+                in_coll.setdefault(rank, (c.comm, pos.last_enqueued))
             if c.size > 1 and pos.op not in _P2P_OPS and pos.last_enqueued < seq:
                 behind.append((rank, pos))
                 behind_in.setdefault(rank, []).append((c.comm, pos.last_enqueued, seq))
@@ -140,12 +141,17 @@ def summarize(state: RunState, now: float | None = None) -> Summary:
             comm=c.comm, label=state.comm_label(c.comm), size=c.size, seq=seq, op=op,
             at=sum(1 for pos in c.ranks.values() if pos.last_enqueued >= seq and pos.op not in _P2P_OPS),
             completed=max((pos.last_completed for pos in c.ranks.values()), default=0),
-            laggards=tuple(sorted((Laggard(rank, pos.last_enqueued, pos.op, summary.states.get(rank, "running"))
+            laggards=tuple(sorted((Laggard(rank, pos.last_enqueued, pos.op, summary.states.get(rank, "running"),
+                                           _waits_in(state, in_coll.get(rank)))
                                    for rank, pos in behind), key=lambda lag: (lag.seq, lag.rank))),
             unjoined=max(0, c.size - len(c.ranks)),
             waiting_s=max(0.0, now - arriving.first_t) if arriving is not None else 0.0,
             failed=c.failed))
     return summary
+
+
+def _waits_in(state: RunState, where: tuple[str, int] | None) -> str:
+    return "" if where is None else f"{state.comm_label(where[0])} #{where[1]}"
 
 
 # ------------------------------------------------------------------ memory
