@@ -59,7 +59,8 @@ class RankGrid(Static, can_focus=True):
         self.cursor: int | None = None  # the rank under the cursor
         self._cells: dict[tuple[int, int], int] = {}  # (line, column) -> rank
         self._where: dict[int, tuple[int, int]] = {}  # rank -> (line, column)
-        self._shown: Text | None = None
+        self._drawn: tuple = ()  # what the text was drawn from: width, height, cursor, theme, cells
+        self._line_count = 0
 
     def redraw(self, summary: Summary) -> None:
         """Draw ``summary`` (the cursor stays on its rank)."""
@@ -76,23 +77,32 @@ class RankGrid(Static, can_focus=True):
     def _draw(self) -> None:
         width = self.content_size.width or 40
         height = self.parent.content_size.height if isinstance(self.parent, Widget) else 0
-        legend = self._legend(width)
+        nodes = tuple(c for cells in self.summary.hosts.values() for c in cells)
+        key = (width, height, self.cursor, self.app.current_theme.name, nodes)
+        if key == self._drawn:
+            return  # at 256 ranks most drains move no cell: building the text would be the frame's cost
+        self._drawn = key
+        colours = {word: state_colour(self.app, word) for word in CELL_STATES}
+        legend = self._legend(width, colours)
         # as roomy as the pane allows: a node a line with spaced cells (two nodes of eight), spaced cells
         # with several nodes a line, then dense cells (256 ranks in 4 hosts of 8 nodes take 16 lines)
-        for one_per_line, gap in ((True, " "), (False, " "), (False, "")):
-            lines, cells = self._cells_laid_out(width, one_per_line, gap, len(legend))
-            if not height or len(legend) + len(lines) <= height:
-                break
+        label_width = len(f"n{max((c.node for c in nodes), default=0)}")
+        layouts = ((True, " "), (False, " "), (False, ""))
+        one_per_line, gap = next((layout for layout in layouts
+                                  if not height or len(legend) + self._lines_needed(width, label_width, *layout)
+                                  <= height), layouts[-1])
+        lines, cells = self._cells_laid_out(width, label_width, one_per_line, gap, len(legend), colours)
         if self.cursor is not None and self.parent is not None:
             self.parent.border_subtitle = self._detail(self.cursor)  # the grid itself fits the pane
         self._cells = cells
         self._where = {rank: at for at, rank in cells.items()}
-        text = Text("\n").join(legend + lines) if legend or lines else Text("no rank registered yet")
-        if text != self._shown:
-            self._shown = text
-            self.update(text)
+        shown = legend + lines
+        # a new layout only when the height changes: a frame's layout of the whole screen costs more than its paint
+        self.update(Text("\n").join(shown) if shown else Text("no rank registered yet"),
+                    layout=len(shown) != self._line_count)
+        self._line_count = len(shown)
 
-    def _legend(self, width: int) -> list[Text]:
+    def _legend(self, width: int, colours: dict[str, str]) -> list[Text]:
         """The counts per state, each with its glyph in its colour, wrapped to ``width``."""
         lines: list[Text] = []
         legend = Text()
@@ -100,7 +110,7 @@ class RankGrid(Static, can_focus=True):
             n = self.summary.counts.get(word, 0)
             if not n:
                 continue
-            item = Text.assemble((GLYPHS[word], state_colour(self.app, word)), f" {n} {word}")
+            item = Text.assemble((GLYPHS[word], colours[word]), f" {n} {word}")
             if legend and legend.cell_len + 2 + item.cell_len > width:
                 lines.append(legend)
                 legend = Text()
@@ -108,34 +118,55 @@ class RankGrid(Static, can_focus=True):
             legend.append_text(item)
         return [*lines, legend] if legend else lines
 
-    def _cells_laid_out(self, width: int, one_per_line: bool, gap: str,
-                        first: int) -> tuple[list[Text], dict[tuple[int, int], int]]:
-        """Host headings and node groups (``n12`` then its cells, ``gap`` between them), from line ``first``."""
-        lines: list[Text] = []
-        cells: dict[tuple[int, int], int] = {}
-        nodes_all = [c for nodes in self.summary.hosts.values() for c in nodes]
-        label_width = len(f"n{max((c.node for c in nodes_all), default=0)}")
+    def _groups(self, width: int, label_width: int, one_per_line: bool, gap: str):
+        """Per host: its heading ("" for none) and its nodes cut into lines of groups that fit ``width``."""
         for host, nodes in self.summary.hosts.items():
-            if host:
-                lines.append(Text(host, style="bold"))
-            line = Text()
+            lines: list[list] = []
+            used = 0
             for node_cells in nodes:
-                group_width = label_width + 1 + len(node_cells.ranks) * (1 + len(gap))
-                if line and (one_per_line or line.cell_len + 1 + group_width > width):
-                    lines.append(line)
-                    line = Text()
-                if line:
-                    line.append(" ")
-                line.append(f"n{node_cells.node}".rjust(label_width) + " ", style="dim")
-                for i, (rank, word) in enumerate(node_cells.ranks):
-                    if i:
-                        line.append(gap)
-                    cells[(first + len(lines), line.cell_len)] = rank
-                    style = state_colour(self.app, word)
-                    line.append(GLYPHS[word], style=f"reverse {style}" if rank == self.cursor else style)
-            if line:
-                lines.append(line)
-        return lines, cells
+                group = label_width + 1 + len(node_cells.ranks) * (1 + len(gap)) - len(gap)
+                if lines and not one_per_line and used + 1 + group <= width:
+                    lines[-1].append(node_cells)
+                    used += 1 + group
+                else:
+                    lines.append([node_cells])
+                    used = group
+            yield host, lines
+
+    def _lines_needed(self, width: int, label_width: int, one_per_line: bool, gap: str) -> int:
+        return sum(bool(host) + len(lines) for host, lines in self._groups(width, label_width, one_per_line, gap))
+
+    def _cells_laid_out(self, width: int, label_width: int, one_per_line: bool, gap: str, first: int,
+                        colours: dict[str, str]) -> tuple[list[Text], dict[tuple[int, int], int]]:
+        """Host headings and node groups (``n12`` then its cells, ``gap`` between them), from line ``first``.
+
+        Neighbouring cells of one state are appended as one run: a span per run, not per rank."""
+        out: list[Text] = []
+        cells: dict[tuple[int, int], int] = {}
+        for host, lines in self._groups(width, label_width, one_per_line, gap):
+            if host:
+                out.append(Text(host, style="bold"))
+            for groups in lines:
+                line = Text()
+                y = first + len(out)
+                for g, node_cells in enumerate(groups):
+                    line.append((" " if g else "") + f"n{node_cells.node}".rjust(label_width) + " ", style="dim")
+                    run, run_style = "", ""
+                    for i, (rank, word) in enumerate(node_cells.ranks):
+                        style = colours[word]
+                        if rank == self.cursor:
+                            style = f"reverse {style}"
+                        if i:
+                            run += gap  # the gap takes the style of the cell before it
+                        if style != run_style and run:
+                            line.append(run, style=run_style)
+                            run = ""
+                        cells[(y, line.cell_len + len(run))] = rank
+                        run += GLYPHS[word]
+                        run_style = style
+                    line.append(run, style=run_style)
+                out.append(line)
+        return out, cells
 
     def _detail(self, rank: int) -> Text:
         """The rank under the cursor, for the pane's foot: its node and state, and how far behind it is."""
@@ -211,23 +242,23 @@ class RankGrid(Static, can_focus=True):
 
 
 class CommProgressPane(Static):
-    """Per communicator: k of N ranks at collective #s, how long the first has waited, the laggards by name.
+    """Per communicator: k of N ranks at collective #s and how long the first has waited, then its laggards.
 
     The communicators someone waits in come first; the settled ones (every member done) fold into one line per
-    name, so 32 ``mesh_tp`` groups in step take one line.
+    name, so 32 ``mesh_tp`` groups in step take one line. Lines do not wrap (the pane's style), so the pane's
+    height is its line count.
     """
 
     def __init__(self, **kwargs) -> None:
         super().__init__("no communicators yet", markup=False, **kwargs)
-        self._shown: Text | None = None
+        self._line_count = 0
 
     def redraw(self, summary: Summary) -> None:
         """Draw every communicator's progress from ``summary``."""
-        app = self.app
-        error = app.current_theme.error or ""
+        error = self.app.current_theme.error or ""
         waiting = sorted((c for c in summary.comms if not c.settled or c.failed),
                          key=lambda c: (not c.failed, -c.waiting_s))
-        lines = [self._line(c, error) for c in waiting]
+        lines = [line for c in waiting for line in self._lines(c, error)]
         settled: dict[str, list[CommProgress]] = {}
         for c in summary.comms:
             if c.settled and not c.failed:
@@ -238,32 +269,33 @@ class CommProgressPane(Static):
             many = f" ×{len(comms)}" if len(comms) > 1 else ""
             what = "no collective yet" if seqs == [0] else f"every rank done, at {at}"
             lines.append(Text.assemble((f"{name}{many}", "bold"), f"  {comms[0].size} ranks  ", (what, "dim")))
-        text = Text("\n").join(lines) if lines else Text("no communicators yet")
-        if text != self._shown:
-            self._shown = text
-            self.update(text)
+        self.update(Text("\n").join(lines) if lines else Text("no communicators yet"),
+                    layout=len(lines) != self._line_count)
+        self._line_count = len(lines)
 
-    def _line(self, c: CommProgress, error: str) -> Text:
+    def _lines(self, c: CommProgress, error: str) -> list[Text]:
+        """The communicator's line, then (if any) its laggards' line."""
         line = Text.assemble((c.label, "bold"), "  ")
         if c.failed:
             line.append(f"FAILED: {c.failed}", style=error)
-            return line
+            return [line]
         line.append(f"{c.at} of {c.size} ranks at {c.op.lower()} #{c.seq}")
         if c.waiting_s:
             line.append(f", waiting {c.waiting_s:.1f} s", style="dim")
         if c.unjoined:
             line.append(f"; {c.unjoined} not joined")
-        if c.laggards:
-            line.append("; behind: ")
-            for i, lag in enumerate(c.laggards[:LAGGARDS_SHOWN]):
-                line.append(", " if i else "")
-                line.append(f"r{lag.rank}", style=f"bold {state_colour(self.app, lag.state)}")
-                # a laggard held up itself says where: the one that holds it is named on its own line
-                how = f"waits in {lag.waits_in}" if lag.waits_in else "" if lag.state == "behind" else lag.state
-                line.append(f" at #{lag.seq}" + (f" ({how})" if how else ""))
-            if len(c.laggards) > LAGGARDS_SHOWN:
-                line.append(f", +{len(c.laggards) - LAGGARDS_SHOWN} more")
-        return line
+        if not c.laggards:
+            return [line]
+        behind = Text("  behind: ")
+        for i, lag in enumerate(c.laggards[:LAGGARDS_SHOWN]):
+            behind.append(", " if i else "")
+            behind.append(f"r{lag.rank}", style=f"bold {state_colour(self.app, lag.state)}")
+            # a laggard held up itself says where: the one that holds it is named on its own line
+            how = f"waits in {lag.waits_in}" if lag.waits_in else "" if lag.state == "behind" else lag.state
+            behind.append(f" at #{lag.seq}" + (f" ({how})" if how else ""))
+        if len(c.laggards) > LAGGARDS_SHOWN:
+            behind.append(f", +{len(c.laggards) - LAGGARDS_SHOWN} more")
+        return [line, behind]
 
 
 #: Laggards named per communicator line; the rest are counted.
@@ -280,6 +312,7 @@ class MemoryDistributionPane(Static):
     def __init__(self, **kwargs) -> None:
         super().__init__("no GPU memory reported yet", markup=False, **kwargs)
         self.picked: int | None = None
+        self._line_count = 1
 
     def redraw(self, dist: MemoryDistribution | None, own: dict[int, int]) -> None:
         """Draw ``dist``; ``own`` is the picked rank's allocated bytes by GPU."""
@@ -309,4 +342,5 @@ class MemoryDistributionPane(Static):
         if self.picked is not None and own:
             lines.append(Text(f"r{self.picked}: " + ", ".join(
                 f"g{g} {human_bytes(b)} (p{dist.percentile_of(b)})" for g, b in sorted(own.items()))))
-        self.update(Text("\n").join(lines))
+        self.update(Text("\n").join(lines), layout=len(lines) != self._line_count)
+        self._line_count = len(lines)

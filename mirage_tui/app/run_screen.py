@@ -62,7 +62,7 @@ class RunScreen(Screen):
         Binding("T", "toggle_timestamps", "Timestamps", show=False, tooltip="prefix output lines with their time"),
         Binding("v", "pin", "Compare", show=False,
                 tooltip="pin this output beside the pane to compare it with another rank's; again: unpin"),
-        Binding("g", "toggle_grid", "Grid",
+        Binding("g", "toggle_grid", "Grid", show=False,
                 tooltip="the views for many ranks (rank grid, communicators' progress, memory distribution) or "
                         "the tree, the per-rank ledger and per-GPU memory"),
         Binding("b", "next_laggard", "Laggard",
@@ -356,9 +356,10 @@ class RunScreen(Screen):
         """Show where the replay is."""
         state = "paused" if message.paused else "playing"
         speed = "max" if message.speed <= 0 else f"{message.speed:g}x"
+        # one line high (the style sheet): ten times a second, it needs no layout of the screen
         self.query_one("#replay-bar", Static).update(
             f"replay {state} at {speed}: event {message.position} of {message.total}   "
-            "space pause · . step · +/- speed")
+            "space pause · . step · +/- speed", layout=False)
 
     def on_run_finished(self, message: RunFinished) -> None:
         """Record the outcome and show the report (the app quits instead if the user asked to)."""
