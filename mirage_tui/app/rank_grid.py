@@ -221,16 +221,17 @@ class RankGrid(Static, can_focus=True):
         if self.cursor is not None:
             self.post_message(self.Picked(self.cursor))
 
-    def next_laggard(self) -> int | None:
-        """Move to the next rank the others wait for (behind, missing, stuck) after the cursor; its rank."""
+    def pick_next_laggard(self) -> None:
+        """Move to the next rank the others wait for (behind, missing, stuck) after the cursor, and pick it."""
         order = self.summary.order()
         laggards = [r for r in order if self.summary.states.get(r) in LAGGARD_STATES]
         if not laggards:
-            return None
+            self.notify("nobody is behind: no rank is behind, missing or stuck")
+            return
         after = [r for r in laggards if self.cursor is None or order.index(r) > order.index(self.cursor)]
         rank = (after or laggards)[0]
         self.move_to(rank)
-        return rank
+        self.post_message(self.Picked(rank))
 
     def on_click(self, event: events.Click) -> None:
         """A click on a cell moves the cursor there and picks the rank."""

@@ -1,6 +1,6 @@
 """The Run screen: a cluster tree, the selected rank's output, collectives (grid and in flight), alerts;
 in a clocked run, the ranks' timeline in emulated time. Past 16 ranks the tree, the per-rank ledger and the
-per-device memory give way to views made for many ranks (``rank_grid.py``; ``g`` switches).
+per-device memory give way to views made for many ranks (``rank_grid.py``, ``many_views.py``; ``g`` switches).
 
 Its events come from a feed (a live session or a replay) that runs on another
 thread and only buffers events and posts messages. Every widget update happens
@@ -8,6 +8,9 @@ here, in the handler that drains the buffer: each event goes into the run's
 fold (:class:`~mirage_tui.runstate.RunState`, the one batch mode's session and
 ``mirage status`` keep too), and the panes (``*_pane.py``) then redraw what
 it says changed, reading only the fold.
+
+Up to 530 lines on purpose: one screen's keys, each with its handler, over panes that draw themselves; what
+switches between the views for few and many ranks lives in ``many_views.py``.
 """
 
 from __future__ import annotations
@@ -32,13 +35,13 @@ from mirage_tui.app.inflight_pane import InFlightPane
 from mirage_tui.app.ledger_pane import LedgerGrid, row_rank
 from mirage_tui.app.messages import AlertReady, EventsReady, ReplayProgress, RunFinished, StacksReady
 from mirage_tui.app.output_pane import OutputPane, Source
-from mirage_tui.app.rank_grid import HISTOGRAM_BINS, CommProgressPane, MemoryDistributionPane, RankGrid
+from mirage_tui.app.many_views import ManyRankViews
+from mirage_tui.app.rank_grid import CommProgressPane, MemoryDistributionPane, RankGrid
 from mirage_tui.app.ranks_pane import RankTree
 from mirage_tui.app.stacks_screen import StacksScreen
 from mirage_tui.app.themes import RANK_STATE_VARIABLES
 from mirage_tui.app.timeline_pane import TimelineBox, TimelinePane
 from mirage_tui.hang_stacks import RankStacks
-from mirage_tui.rank_summary import MANY_RANKS, memory_distribution, summarize
 from mirage_tui.runstate import Changed, Outcome, RunState
 from wire import schema as s
 
@@ -88,8 +91,7 @@ class RunScreen(Screen):
         self.outcome: Outcome | None = None
         self._user_selected = False  # until the user picks a source, the lowest rank's output shows
         self._timeline_hidden = False  # the user hid the clocked timeline (c)
-        self._many: bool | None = None  # the user's choice of views (g); None: by the number of ranks
-        self._many_shown = False  # which views are up
+        self.views = ManyRankViews(self)  # the tree and the per-rank panes, or those for many ranks
         self._alerts: list[Text] = []
 
     @property
@@ -152,8 +154,8 @@ class RunScreen(Screen):
 
     def _tick(self) -> None:
         if self.outcome is None:
-            if self._many_shown:  # how long the first rank has waited grows too
-                self.query_one(CommProgressPane).redraw(summarize(self.state, self.clock()))
+            if self.views.shown:  # how long the first rank has waited grows too
+                self.views.redraw(self.state, self.clock(), cells=True, memory=False)
             else:
                 self.query_one(LedgerGrid).redraw(self.state, self.clock())
             # idle seconds bring the throughput down to zero; a replay's come with its next event
@@ -169,7 +171,7 @@ class RunScreen(Screen):
         if action == "report":
             return self.outcome is not None
         if action == "next_laggard":
-            return self._many_shown
+            return self.views.shown
         if action == "toggle_timeline":
             return self.state.clocked
         if action == "hang_stacks":
@@ -218,18 +220,14 @@ class RunScreen(Screen):
             tree = self.query_one(RankTree)
             if tree.sync(self.state) and not self._user_selected:
                 output.select(("rank", min(tree.rank_items)))
-            if self.many_view != self._many_shown:
-                self._show_views()
-            elif not self._many_shown:  # the hidden views are drawn in full when they come back
+            if self.views.wanted(self.state) != self.views.shown:
+                self.views.show(self.state, self.clock())
+            elif not self.views.shown:  # the hidden views are drawn in full when they come back
                 tree.redraw(self.state)
         output.flush()  # after a new selection's refill, which includes what it would write
-        if self._many_shown:
-            if changed & (Changed.RANKS | Changed.LEDGER):
-                summary = summarize(self.state, self.clock())
-                self.query_one(RankGrid).redraw(summary)
-                self.query_one(CommProgressPane).redraw(summary)
-            if changed & Changed.MEMORY:
-                self._redraw_memory_distribution()
+        if self.views.shown:
+            self.views.redraw(self.state, self.clock(), cells=bool(changed & (Changed.RANKS | Changed.LEDGER)),
+                              memory=bool(changed & Changed.MEMORY))
         else:
             if changed & Changed.LEDGER:
                 self.query_one(LedgerGrid).redraw(self.state, self.clock())
@@ -251,77 +249,25 @@ class RunScreen(Screen):
 
     def update_rank_labels(self) -> None:
         """Redraw every rank's state (also after a theme change: the colours are theme variables)."""
-        if self._many_shown:
-            summary = summarize(self.state, self.clock())
-            self.query_one(RankGrid).redraw(summary)
-            self.query_one(CommProgressPane).redraw(summary)
-            self._redraw_memory_distribution()
+        if self.views.shown:
+            self.views.redraw(self.state, self.clock(), cells=True, memory=True)
         else:
             self.query_one(RankTree).redraw(self.state)
-
-    # ------------------------------------------------------------ many ranks
-
-    @property
-    def many_view(self) -> bool:
-        """Whether the views for many ranks should be up: the user's choice (g), else past MANY_RANKS ranks."""
-        if self._many is not None:
-            return self._many
-        return sum(1 for status in self.state.ranks.values() if status.node is not None) > MANY_RANKS
-
-    def _show_views(self) -> None:
-        """Put up the views :attr:`many_view` asks for, drawn from the fold as it is now."""
-        many = self._many_shown = self.many_view
-        focused = self.focused
-        for widget in self.query(".many"):
-            widget.display = many
-        for selector in ("#ranks", "#gpu-memory", "#collectives"):
-            self.query_one(selector).display = not many
-        grid, tree = self.query_one(RankGrid), self.query_one(RankTree)
-        self.query_one("#gpu-pane").border_title = "GPU memory: distribution" if many else "GPU memory"
-        if many:
-            self.update_rank_labels()
-            if focused is tree or focused is self.query_one(LedgerGrid):
-                grid.focus()
-        else:
-            tree.redraw(self.state)
-            self.query_one(LedgerGrid).redraw(self.state, self.clock())
-            self.query_one(GpuMemory).redraw(self.state)
-            item = tree.rank_items.get(grid.cursor) if grid.cursor is not None else None
-            if item is not None:  # the rank looked at in the grid is the one the tree shows
-                tree.move_cursor(item)
-            if focused is grid:
-                tree.focus()
-        self.refresh_bindings()
-
-    def _redraw_memory_distribution(self) -> None:
-        pane = self.query_one(MemoryDistributionPane)
-        own = {} if pane.picked is None else {
-            device: m.allocated for (rank, device), m in self.state.memory.items() if rank == pane.picked}
-        pane.redraw(memory_distribution(self.state, HISTOGRAM_BINS), own)
 
     def on_rank_grid_picked(self, message: RankGrid.Picked) -> None:
         """A cell picked in the grid: that rank's output, its memory beside the distribution, its tree item."""
         self._user_selected = True
         self.query_one(OutputPane).select(("rank", message.rank))
-        self.query_one(MemoryDistributionPane).picked = message.rank
-        self._redraw_memory_distribution()
-        item = self.query_one(RankTree).rank_items.get(message.rank)
-        if item is not None:
-            self.query_one(RankTree).move_cursor(item)
+        self.views.picked(self.state, message.rank)
 
     def action_toggle_grid(self) -> None:
         """Switch between the views for many ranks and the tree, ledger and per-GPU memory."""
-        self._many = not self._many_shown
-        self._show_views()
+        self.views.choice = not self.views.shown
+        self.views.show(self.state, self.clock())
 
     def action_next_laggard(self) -> None:
         """The grid's cursor to the next rank the others wait for, and its output."""
-        grid = self.query_one(RankGrid)
-        rank = grid.next_laggard()
-        if rank is None:
-            self.notify("nobody is behind: no rank is behind, missing or stuck")
-            return
-        grid.post_message(RankGrid.Picked(rank))
+        self.query_one(RankGrid).pick_next_laggard()
 
     def _hang_alert(self, e: s.HangReport) -> Text:
         """The session's hang report with the missing ranks in the theme's colour, and the key to their stacks."""
