@@ -38,3 +38,12 @@ def sparkline(samples) -> str:
     if top <= 0:
         return _LEVELS[0] * len(samples)
     return "".join(_LEVELS[round(v / top * (len(_LEVELS) - 1))] for v in samples)
+
+
+def histogram(counts) -> str:
+    """One character per bin, its height relative to the fullest bin; unlike :func:`sparkline`, a bin with
+    anything in it never draws as blank (a lone outlier is what a reader looks for)."""
+    top = max(counts, default=0)
+    if top <= 0:
+        return _LEVELS[0] * len(counts)
+    return "".join(_LEVELS[max(1, round(n / top * (len(_LEVELS) - 1)))] if n else _LEVELS[0] for n in counts)

@@ -22,6 +22,7 @@ from textual.widgets import Button, DataTable, Input, Log, Select, Static, Switc
 
 from mirage_tui.app.app import MirageApp  # noqa: E402
 from mirage_tui.app.confirm import ConfirmScreen  # noqa: E402
+from mirage_tui.app.rank_grid import RankGrid  # noqa: E402
 from mirage_tui.app.ranks_pane import RankTree  # noqa: E402
 from mirage_tui.app.report import ReportScreen  # noqa: E402
 from mirage_tui.app.run_screen import RunScreen  # noqa: E402
@@ -480,7 +481,10 @@ def test_32_ranks_are_navigable_in_the_tree_and_the_grid():
     async def body(pilot) -> None:
         screen = await _replay_to_end(app, pilot)
         await pilot.press("escape")
+        assert screen.query_one("#grid-pane").display and not screen.query_one("#ranks").display
+        await pilot.press("g")  # past 16 ranks the views for many ranks are up: back to the tree
         tree = screen.query_one("#ranks", Tree)
+        assert tree.display and not screen.query_one("#grid-pane").display
         assert [str(node.label) for node in tree.root.children] == [f"node {n} exit 0" for n in range(4)]
         assert [leaf.data for node in tree.root.children for leaf in node.children] == \
             [("rank", r) for r in range(32)]  # sorted, though they registered in any order
@@ -506,6 +510,36 @@ def test_32_ranks_are_navigable_in_the_tree_and_the_grid():
         await pilot.pause(0.1)
         await pilot.click("#ranks", offset=(12, 3))
         assert screen.query_one("#output", Log).border_title == "rank 1 output"
+
+    _run_app(app, body)
+
+
+def test_32_ranks_in_the_grid_keys_and_mouse_pick_a_rank():
+    """The views for many ranks on the recorded 32-rank run: cells by node, arrows, Enter, a click, g back."""
+    app = MirageApp(recording=replay.load(str(RECORDED_32)), speed=0)
+
+    async def body(pilot) -> None:
+        screen = await _replay_to_end(app, pilot)
+        await pilot.press("escape")
+        grid = screen.query_one("#rank-grid", RankGrid)
+        output = screen.query_one("#output", Log)
+        assert grid.summary.order() == list(range(32)) and grid.summary.counts["exited 0"] == 32
+        assert "every rank done, at #10" in str(screen.query_one("#comm-progress", Static).content)
+        assert "32 GPUs of 288.0 GiB allocated" in str(screen.query_one("#memory-dist", Static).content)
+        grid.focus()
+        # a node a line: right moves along rank order, down to the same column of the next node
+        await pilot.press("right", "right", "down", "down", "enter")
+        assert grid.cursor == 18 and output.border_title == "rank 18 output"
+        await pilot.press("end", "enter")
+        assert grid.cursor == 31 and "[rank 31] allreduce_loop_ok" in output.lines
+        # the mouse: the cell under the pointer (a line of legend, then node 0's cells two columns apart)
+        x, y = next(at for at, rank in grid._cells.items() if rank == 5)[::-1]
+        await pilot.click("#rank-grid", offset=(x, y))
+        assert grid.cursor == 5 and output.border_title == "rank 5 output"
+        # nobody is behind in a run that ended well; g: the tree, on the rank picked in the grid
+        await pilot.press("b", "g")
+        tree = screen.query_one("#ranks", Tree)
+        assert tree.display and tree.cursor_node.data == ("rank", 5) and tree.has_focus
 
     _run_app(app, body)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mirage_tui.reports import report
+from mirage_tui.state import rank_summary
 from mirage_tui.state.runstate import Changed, Outcome, RunState
 from wire import schema as s
 
@@ -149,3 +150,87 @@ def test_per_communicator_figures_and_peak_memory():
     assert "rank 1 node 0 pid 11 ran (no end) peak 400 B log RUN/rank-1.log" in lines
     assert ("default_pg (dddddddd) 4 ranks 4 collectives 208 B waited 2.7 s slowest rank 2 (last at 2 of 3)"
             in lines)
+
+
+# ------------------------------------------------------------ many ranks (mirage_tui/state/rank_summary.py)
+
+
+def test_many_ranks_the_grid_says_who_is_behind_and_who_waits_for_them():
+    """256 ranks on 4 hosts stopped part-way through a step: two ranks hold everyone up."""
+    import many_ranks_events as mre
+
+    ranks = 256
+    state = RunState()
+    for e in mre.events(ranks):
+        state.apply(e)
+    summary = rank_summary.summarize(state)
+    slow_tp, slow_dp = mre.slow_tp(ranks), mre.slow_dp(ranks)
+    # the two that compute while others wait for them are behind; everyone else waits in a collective
+    assert {r for r, word in summary.states.items() if word == "behind"} == {slow_tp, slow_dp}
+    assert summary.counts["in collective"] == ranks - 2 and summary.counts["running"] == 0
+    assert list(summary.counts) == list(rank_summary.CELL_STATES)
+    # by host, then node: four hosts of eight nodes of eight ranks, in rank order
+    assert list(summary.hosts) == ["host0", "host1", "host2", "host3"]
+    assert [cells.node for cells in summary.hosts["host1"]] == list(range(8, 16))
+    assert summary.order() == list(range(ranks))
+    # the tree's words agree wherever the grid has no word of its own
+    assert all(state.rank_state(r) == ("in collective" if w == "in collective" else "running")
+               for r, w in summary.states.items())
+    by_label = {}
+    for c in summary.comms:
+        by_label.setdefault(c.label.split(" (")[0], []).append(c)
+    assert [c.seq for c in by_label["default_pg"]] == [0] and by_label["default_pg"][0].settled
+    # slow_tp's node: 7 of 8 at all-reduce #7, the laggard named with the collective it last posted
+    node_tp = next(c for c in by_label["mesh_tp"] if c.laggards)
+    assert (node_tp.at, node_tp.size, node_tp.seq, node_tp.op, node_tp.completed) == (7, 8, 7, "ALLREDUCE", 6)
+    assert [(lag.rank, lag.seq, lag.state) for lag in node_tp.laggards] == [(slow_tp, 6, "behind")]
+    assert sum(1 for c in by_label["mesh_tp"] if c.settled) == 31
+    # every data-parallel group waits at #4 for the held node's member; slow_dp's group for it too
+    assert all(c.seq == 4 and c.completed == 3 and c.waiting_s > 0 for c in by_label["mesh_dp"])
+    held = next(c for c in by_label["mesh_dp"] if any(lag.rank == slow_dp for lag in c.laggards))
+    assert (held.at, held.size) == (30, 32)
+    # its member on the held node waits in its tensor-parallel all-reduce: behind here, but held up itself
+    assert [(lag.rank, lag.state) for lag in held.laggards] == [(8 + slow_dp % 8, "in collective"),
+                                                               (slow_dp, "behind")]
+    assert summary.behind_in[slow_dp] == [(held.comm, 3, 4)]
+
+
+def test_many_ranks_memory_is_a_distribution_with_its_outliers():
+    import many_ranks_events as mre
+
+    ranks = 64
+    state = RunState()
+    assert rank_summary.memory_distribution(state) is None
+    for e in mre.events(ranks):
+        state.apply(e)
+    dist = rank_summary.memory_distribution(state)
+    assert dist is not None and dist.gpus == ranks and dist.total == mre.HBM and dist.near_full == 0
+    assert dist.low < dist.p50 <= dist.p90 < dist.high and sum(dist.histogram) == ranks
+    # the two odd ones out, the furthest from the median first; the first and last bins hold them alone
+    assert [(o.rank, o.high) for o in dist.outliers] == [(mre.big_memory(ranks), True),
+                                                        (mre.small_memory(ranks), False)]
+    assert dist.histogram[0] == dist.histogram[-1] == 1
+    assert dist.percentile_of(dist.low) == 0 and dist.percentile_of(dist.high + 1) == 100
+    # identical replicas: no spread, no outlier
+    same = RunState()
+    for r in range(4):
+        same.apply(s.MemoryUsage(t=1.0, rank=r, device=r, allocated=1 << 30, total=1 << 34))
+    flat = rank_summary.memory_distribution(same)
+    assert flat is not None and flat.outliers == () and flat.histogram[0] == 4 and flat.p50 == 1 << 30
+
+
+def test_many_ranks_settled_states_win_and_point_to_point_never_lags():
+    state = _started()
+    comm = "c" * 16
+    state.apply(s.CollectiveEnqueued(t=13.0, comm=comm, seq=1, rank=0, numel=4))
+    summary = rank_summary.summarize(state, now=15.0)
+    assert summary.states == {0: "in collective", 1: "behind"}
+    (progress,) = summary.comms
+    assert (progress.at, progress.size, progress.waiting_s) == (1, 2, 2.0) and not progress.settled
+    # a send numbers its messages per pair: rank 1's seq 5 puts nobody behind
+    state.apply(s.CollectiveEnqueued(t=14.0, comm=comm, seq=5, rank=1, op=s.CollOp.SEND, numel=4))
+    assert rank_summary.summarize(state).states[0] == "in collective"
+    state.apply(s.HangDetected(t=20.0, comm=comm, seq=1, joined=[0], missing=[1]))
+    assert rank_summary.summarize(state).states == {0: "stuck", 1: "missing"}
+    state.rank_killed(1)
+    assert rank_summary.summarize(state).counts["failed"] == 1

@@ -69,6 +69,9 @@ def test_keys_answer_under_20k_lines_per_second_on_32_ranks():
             while app.run_screen is None or app.run_screen.feed.player.position < RANKS + 1:
                 await asyncio.sleep(0.02)
             screen = app.run_screen
+            # the tree under a flood of output, as measured before the grid took its place past 16 ranks (g)
+            screen.views.choice = False
+            screen.views.show(screen.state, screen.clock())
             started = time.monotonic()
             tree = screen.query_one("#ranks", RankTree)
             pane = screen.query_one(OutputPane)
@@ -105,3 +108,80 @@ def test_keys_answer_under_20k_lines_per_second_on_32_ranks():
     # pane kept the latest line; the figures printed above go into docs/performance.md
     asyncio.run(main())
     assert results["tree"] and results["stderr"]
+
+
+# ------------------------------------------------------------ many ranks: frame time at 32, 64 and 256 ranks
+
+#: Steps a second of the synthetic 2D-parallel run (tests/many_ranks_events.py): per rank and step three
+#: collectives, two output lines and a memory report, so the event rate grows with the ranks.
+STEPS_PER_S = 5
+
+
+def _timed(samples: list[float], fn):
+    """``fn``, recording each call's duration into ``samples``."""
+    def wrapper(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            samples.append(time.perf_counter() - started)
+    return wrapper
+
+
+def _ms(samples: list[float]) -> str:
+    """Median / 95th percentile / max, in ms."""
+    ordered = sorted(samples)
+    p95 = ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
+    return f"{statistics.median(ordered) * 1000:.1f} / {p95 * 1000:.1f} / {ordered[-1] * 1000:.1f}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [32, 64, 256])
+def test_frame_time_at_many_ranks(ranks, monkeypatch):
+    """The Run screen's frame (drain the events into the fold and the panes, then paint) under the events
+    ``ranks`` ranks produce, with the views for many ranks up; the figures are printed, never asserted."""
+    import many_ranks_events
+
+    from mirage_tui.app.rank_grid import RankGrid
+    from mirage_tui.app.run_screen import RunScreen
+
+    steps = int(SECONDS * STEPS_PER_S)
+    events = many_ranks_events.events(ranks, steps=steps, step_s=1 / STEPS_PER_S, t0=time.time(), partial=False,
+                                      lines_per_step=2)
+    events.append(s.SessionEnded(t=events[-1].t + 0.01, returncode=0, summary="done"))
+    recording = replay.Recording("synthetic", tuple(events), 0)
+    drains: list[float] = []
+    paints: list[float] = []
+    # the screen's update timer (layout and the compositor's render) calls this once a frame
+    monkeypatch.setattr(RunScreen, "_on_timer_update", _timed(paints, RunScreen._on_timer_update))
+    app = MirageApp(recording=recording, speed=1.0)
+    keys: list[float] = []
+
+    async def main() -> None:
+        async with app.run_test(size=(140, 45)):
+            while app.run_screen is None or app.run_screen.feed.player.position < 2 * ranks:
+                await asyncio.sleep(0.02)
+            screen = app.run_screen
+            screen._drain = _timed(drains, screen._drain)
+            started = time.monotonic()
+            grid = screen.query_one(RankGrid)
+            grid.focus()
+            while time.monotonic() - started < SECONDS - 1:
+                cursor = grid.cursor
+                key = "right" if len(keys) % 2 == 0 else "left"
+                keys.append(await _latency(app, key, lambda: grid.cursor != cursor))
+                await asyncio.sleep(0.1)
+            while app.outcome is None:
+                await asyncio.sleep(0.01)
+            span = recording.events[-1].t - recording.events[0].t
+            behind = time.monotonic() - screen.feed.player._anchor_wall - span
+            assert screen.query_one("#grid-pane").display and len(grid.summary.states) == ranks
+            print(f"\n{ranks} ranks, {len(events) / span:,.0f} events/s for {span:.1f} s: frame ms (median / p95 / "
+                  f"max): drain (fold + panes) {_ms(drains)}, paint {_ms(paints)}; {len(drains)} drains; last "
+                  f"event taken {behind:.2f} s after due; grid cursor key {_ms(keys)}")
+            while not (isinstance(app.screen, ReportScreen) and app.screen.is_mounted):
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.1)
+
+    asyncio.run(main())
+    assert keys and drains and paints  # every key took effect (within _latency's 5 s); figures above

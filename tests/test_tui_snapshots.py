@@ -12,16 +12,22 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("pytest_textual_snapshot")
 
+import many_ranks_events  # noqa: E402
+
+from mirage_tui.app import app as app_module  # noqa: E402
 from mirage_tui.app.app import MirageApp  # noqa: E402
+from mirage_tui.app.feeds import STOPPED_EXIT, ReplayFeed  # noqa: E402
 from mirage_tui.app.report import ReportScreen  # noqa: E402
 from mirage_tui.config.topology import Topology  # noqa: E402
 from mirage_tui.state import replay  # noqa: E402
+from mirage_tui.state.runstate import Outcome  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RECORDED_RUN = "tests/fixtures/runs/ddp-2gpu"  # relative: the snapshot shows the path as given
@@ -143,3 +149,59 @@ def test_run_screen_of_a_clocked_run(snap_compare):
 def test_report_screen_of_a_clocked_run(snap_compare):
     app = _app(recording=replay.load(CLOCKED), speed=0)
     assert snap_compare(app, terminal_size=SIZE, run_before=_until_report)
+
+
+class _HeldReplay(ReplayFeed):
+    """Plays its recording as fast as it can, then holds there paused, as a user who paused a replay mid-run:
+    the Run screen shows the run in progress (a synthetic recording has no end; a replayed end would put the
+    Report up and every rank's state to exited)."""
+
+    def __init__(self, recording: replay.Recording, speed: float = 0) -> None:
+        super().__init__(recording, speed)
+        self._released = threading.Event()
+
+    def _request_stop(self) -> None:
+        super()._request_stop()
+        self._released.set()
+
+    def _run(self) -> None:
+        assert self._target is not None
+        for event in self.player:
+            self._push(event)
+        self.player.toggle_pause()
+        self._target.post_message(self.progress())
+        self._released.wait()
+        self._finish(Outcome(STOPPED_EXIT, "replay stopped", self.recording.run_dir))
+
+
+def _many_ranks_app(monkeypatch, ranks: int) -> MirageApp:
+    """A synthetic run of ``ranks`` ranks (tests/many_ranks_events.py) held part-way through a step."""
+    monkeypatch.setattr(app_module, "ReplayFeed", _HeldReplay)
+    recording = replay.Recording(f"synthetic-{ranks}-ranks", tuple(many_ranks_events.events(ranks)), 0)
+    return _app(recording=recording, speed=0)
+
+
+async def _until_held(pilot, *keys: str) -> None:
+    """Until every event is drawn and the replay holds, then ``keys``."""
+    app = pilot.app
+    for _ in range(400):
+        screen = app.run_screen
+        if screen is not None and screen.feed.player.paused and not screen.feed.buffer \
+                and screen.state.events == screen.feed.player.total:
+            break
+        await pilot.pause(0.05)
+    await pilot.pause(0.2)
+    await pilot.press(*keys)
+    await pilot.pause(0.2)
+
+
+def test_run_screen_64_ranks(snap_compare, monkeypatch):
+    """Past 16 ranks the grid, the communicators' progress and memory's distribution replace the per-rank views."""
+    app = _many_ranks_app(monkeypatch, 64)
+    assert snap_compare(app, terminal_size=SIZE, run_before=_until_held)
+
+
+def test_run_screen_256_ranks_at_the_first_laggard(snap_compare, monkeypatch):
+    """256 ranks on 4 hosts: b puts the cursor on the first rank the others wait for and shows its output."""
+    app = _many_ranks_app(monkeypatch, 256)
+    assert snap_compare(app, terminal_size=SIZE, run_before=lambda pilot: _until_held(pilot, "b"))

@@ -19,7 +19,8 @@ SNAPSHOTS = ROOT / "tests" / "__snapshots__" / "test_tui_snapshots"
 SCREENS = {"setup": "test_setup_screen", "run": "test_run_screen", "report": "test_report_screen",
            "run-hang": "test_run_screen_with_a_hang", "hang-stacks": "test_hang_stacks_screen",
            "run-32-ranks": "test_run_screen_32_ranks", "help": "test_help_screen",
-           "run-clocked": "test_run_screen_of_a_clocked_run"}
+           "run-clocked": "test_run_screen_of_a_clocked_run",
+           "run-256-ranks": "test_run_screen_256_ranks_at_the_first_laggard"}
 
 
 def main() -> None:

@@ -28,6 +28,8 @@ _WIDGET_KEYS = {
     RunScreen: [("enter", "Select", "in the tree: show that rank's (node's) output; in the grid: pick that "
                                     "row's rank"),
                 ("shift+↑ / ↓", "Node", "in the tree: jump to the previous / next node"),
+                ("arrows, enter", "Rank grid", "past 16 ranks: move between cells (↑/↓: the next line of cells); "
+                                               "enter or a click shows the rank's output"),
                 ("tab", "Next pane", "move between the tree, the output, the grid and the other panes")],
 }
 

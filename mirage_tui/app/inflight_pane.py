@@ -15,6 +15,7 @@ class InFlightPane(Static):
 
     def __init__(self, **kwargs) -> None:
         super().__init__("no collective yet", markup=False, **kwargs)
+        self._line_count = 1
 
     def redraw(self, traffic: Traffic, now: float, name: Callable[[str], str] | None = None) -> None:
         """Draw ``traffic`` with ages as of ``now`` (the run's clock: a replay's is its events'), communicators
@@ -22,8 +23,14 @@ class InFlightPane(Static):
         lines = traffic.lines(now, name)
         head = Text(traffic.throughput(), style="bold")
         if not lines:
-            self.update(Text.assemble(head, "\nno collective in flight"))
+            self._show(Text.assemble(head, "\nno collective in flight"), 2)
             return
         head.append(f" · {len(lines)} in flight", style="")
         accent = self.app.current_theme.accent or ""
-        self.update(Text("\n").join([head, *(Text(line, style=accent) for line in lines)]))
+        self._show(Text("\n").join([head, *(Text(line, style=accent) for line in lines)]), 1 + len(lines))
+
+    def _show(self, text: Text, line_count: int) -> None:
+        # a layout of the whole screen only when the height changes: at 256 ranks collectives start and
+        # complete hundreds of times a second, and a layout per drain would cost more than the drain
+        self.update(text, layout=line_count != self._line_count)
+        self._line_count = line_count

@@ -1,5 +1,6 @@
 """The Run screen: a cluster tree, the selected rank's output, collectives (grid and in flight), alerts;
-in a clocked run, the ranks' timeline in emulated time.
+in a clocked run, the ranks' timeline in emulated time. Past 16 ranks the tree, the per-rank ledger and the
+per-device memory give way to views made for many ranks (``rank_grid.py``, ``many_views.py``; ``g`` switches).
 
 Its events come from a feed (a live session or a replay) that runs on another
 thread and only buffers events and posts messages. Every widget update happens
@@ -7,6 +8,9 @@ here, in the handler that drains the buffer: each event goes into the run's
 fold (:class:`~mirage_tui.state.runstate.RunState`, the one batch mode's session and
 ``mirage status`` keep too), and the panes (``*_pane.py``) then redraw what
 it says changed, reading only the fold.
+
+Up to 530 lines on purpose: one screen's keys, each with its handler, over panes that draw themselves; what
+switches between the views for few and many ranks lives in ``many_views.py``.
 """
 
 from __future__ import annotations
@@ -28,8 +32,10 @@ from mirage_tui.app.feeds import AttachFeed, Feed, LiveFeed, ReplayFeed
 from mirage_tui.app.gpu_pane import GpuMemory
 from mirage_tui.app.inflight_pane import InFlightPane
 from mirage_tui.app.ledger_pane import LedgerGrid, row_rank
+from mirage_tui.app.many_views import ManyRankViews
 from mirage_tui.app.messages import AlertReady, EventsReady, ReplayProgress, RunFinished, StacksReady
 from mirage_tui.app.output_pane import OutputPane, Source
+from mirage_tui.app.rank_grid import CommProgressPane, MemoryDistributionPane, RankGrid
 from mirage_tui.app.ranks_pane import RankTree
 from mirage_tui.app.stacks_screen import StacksScreen
 from mirage_tui.app.themes import RANK_STATE_VARIABLES
@@ -59,6 +65,11 @@ class RunScreen(Screen):
         Binding("T", "toggle_timestamps", "Timestamps", show=False, tooltip="prefix output lines with their time"),
         Binding("v", "pin", "Compare", show=False,
                 tooltip="pin this output beside the pane to compare it with another rank's; again: unpin"),
+        Binding("g", "toggle_grid", "Grid", show=False,
+                tooltip="the views for many ranks (rank grid, communicators' progress, memory distribution) or "
+                        "the tree, the per-rank ledger and per-GPU memory"),
+        Binding("b", "next_laggard", "Laggard",
+                tooltip="the grid's cursor to the next rank the others wait for (behind, missing, stuck)"),
         Binding("c", "toggle_timeline", "Timeline",
                 tooltip="clocked runs: hide or show the ranks' timeline in emulated time (the last steps)"),
         Binding("r", "report", "Report", tooltip="the report of the finished run"),
@@ -80,6 +91,7 @@ class RunScreen(Screen):
         self.outcome: Outcome | None = None
         self._user_selected = False  # until the user picks a source, the lowest rank's output shows
         self._timeline_hidden = False  # the user hid the clocked timeline (c)
+        self.views = ManyRankViews(self)  # the tree and the per-rank panes, or those for many ranks
         self._alerts: list[Text] = []
 
     @property
@@ -94,8 +106,11 @@ class RunScreen(Screen):
         with Horizontal(id="main"):
             with Vertical(id="left"):
                 yield RankTree(id="ranks")
+                with VerticalScroll(id="grid-pane", classes="many"):
+                    yield RankGrid(id="rank-grid")
                 with VerticalScroll(id="gpu-pane"):
                     yield GpuMemory(id="gpu-memory")
+                    yield MemoryDistributionPane(id="memory-dist", classes="many")
             with Vertical(id="output-pane"):
                 yield OutputPane(id="logs")
                 yield Input(placeholder="show lines containing… (enter: keep, esc: clear)", id="filter")
@@ -105,6 +120,8 @@ class RunScreen(Screen):
             yield TimelinePane(id="timeline")
         with Horizontal(id="bottom"):
             yield LedgerGrid(id="collectives")
+            with VerticalScroll(id="comm-pane", classes="many"):
+                yield CommProgressPane(id="comm-progress")
             with VerticalScroll(id="alerts"):
                 yield Static("no alerts", markup=False, id="alerts-text")
         if self.replaying:
@@ -116,6 +133,8 @@ class RunScreen(Screen):
         self.sub_title = self.title_text
         self.query_one("#alerts").border_title = "alerts"
         self.query_one("#gpu-pane").border_title = "GPU memory"
+        self.query_one("#grid-pane").border_title = "ranks by host and node (g: tree)"
+        self.query_one("#comm-pane").border_title = "communicators: who is behind"
         self.query_one("#traffic").border_title = "collectives in flight"
         self.query_one(TimelineBox).border_title = "clocked timeline: the last steps in emulated time (c hides)"
         self.query_one(RankTree).sync(self.state, self.nodes)
@@ -135,7 +154,10 @@ class RunScreen(Screen):
 
     def _tick(self) -> None:
         if self.outcome is None:
-            self.query_one(LedgerGrid).redraw(self.state, self.clock())
+            if self.views.shown:  # how long the first rank has waited grows too
+                self.views.redraw(self.state, self.clock(), cells=True, memory=False)
+            else:
+                self.query_one(LedgerGrid).redraw(self.state, self.clock())
             # idle seconds bring the throughput down to zero; a replay's come with its next event
             self.state.traffic.advance(self.clock())
             self.query_one(InFlightPane).redraw(self.state.traffic, self.clock(), self.state.comm_label)
@@ -148,6 +170,8 @@ class RunScreen(Screen):
             return not self.replaying and self.outcome is None
         if action == "report":
             return self.outcome is not None
+        if action == "next_laggard":
+            return self.views.shown
         if action == "toggle_timeline":
             return self.state.clocked
         if action == "hang_stacks":
@@ -196,12 +220,19 @@ class RunScreen(Screen):
             tree = self.query_one(RankTree)
             if tree.sync(self.state) and not self._user_selected:
                 output.select(("rank", min(tree.rank_items)))
-            tree.redraw(self.state)
+            if self.views.wanted(self.state) != self.views.shown:
+                self.views.show(self.state, self.clock())
+            elif not self.views.shown:  # the hidden views are drawn in full when they come back
+                tree.redraw(self.state)
         output.flush()  # after a new selection's refill, which includes what it would write
-        if changed & Changed.LEDGER:
-            self.query_one(LedgerGrid).redraw(self.state, self.clock())
-        if changed & Changed.MEMORY:
-            self.query_one(GpuMemory).redraw(self.state)
+        if self.views.shown:
+            self.views.redraw(self.state, self.clock(), cells=bool(changed & (Changed.RANKS | Changed.LEDGER)),
+                              memory=bool(changed & Changed.MEMORY))
+        else:
+            if changed & Changed.LEDGER:
+                self.query_one(LedgerGrid).redraw(self.state, self.clock())
+            if changed & Changed.MEMORY:
+                self.query_one(GpuMemory).redraw(self.state)
         if changed & Changed.TRAFFIC:
             self.query_one(InFlightPane).redraw(self.state.traffic, self.clock(), self.state.comm_label)
         if changed & Changed.CLOCK:
@@ -218,7 +249,25 @@ class RunScreen(Screen):
 
     def update_rank_labels(self) -> None:
         """Redraw every rank's state (also after a theme change: the colours are theme variables)."""
-        self.query_one(RankTree).redraw(self.state)
+        if self.views.shown:
+            self.views.redraw(self.state, self.clock(), cells=True, memory=True)
+        else:
+            self.query_one(RankTree).redraw(self.state)
+
+    def on_rank_grid_picked(self, message: RankGrid.Picked) -> None:
+        """A cell picked in the grid: that rank's output, its memory beside the distribution, its tree item."""
+        self._user_selected = True
+        self.query_one(OutputPane).select(("rank", message.rank))
+        self.views.picked(self.state, message.rank)
+
+    def action_toggle_grid(self) -> None:
+        """Switch between the views for many ranks and the tree, ledger and per-GPU memory."""
+        self.views.choice = not self.views.shown
+        self.views.show(self.state, self.clock())
+
+    def action_next_laggard(self) -> None:
+        """The grid's cursor to the next rank the others wait for, and its output."""
+        self.query_one(RankGrid).pick_next_laggard()
 
     def _hang_alert(self, e: s.HangReport) -> Text:
         """The session's hang report with the missing ranks in the theme's colour, and the key to their stacks."""
@@ -253,9 +302,10 @@ class RunScreen(Screen):
         """Show where the replay is."""
         state = "paused" if message.paused else "playing"
         speed = "max" if message.speed <= 0 else f"{message.speed:g}x"
+        # one line high (the style sheet): ten times a second, it needs no layout of the screen
         self.query_one("#replay-bar", Static).update(
             f"replay {state} at {speed}: event {message.position} of {message.total}   "
-            "space pause · . step · +/- speed")
+            "space pause · . step · +/- speed", layout=False)
 
     def on_run_finished(self, message: RunFinished) -> None:
         """Record the outcome and show the report (the app quits instead if the user asked to)."""

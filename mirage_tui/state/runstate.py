@@ -397,18 +397,24 @@ class RunState:
 
     def rank_state(self, rank: int) -> str:
         """running, in collective, stuck, missing; then exited 0, failed, or exited (its exit code unknown)."""
-        status = self.ranks.get(rank, _UNKNOWN)
-        if status.failed:
-            return "failed"
-        if status.ended_at is not None:
-            return "exited 0" if status.exited_ok else "exited"
-        if status.hung:
-            return status.hung
+        word = self.settled_state(rank)
+        if word:
+            return word
         for comm in self.comms.values():
             pos = comm.ranks.get(rank)
             if pos is not None and pos.last_enqueued > pos.last_completed:
                 return "in collective"
         return "running"
+
+    def settled_state(self, rank: int) -> str:
+        """What no collective changes: failed, exited 0, exited, then stuck or missing (a reported hang);
+        "" while the rank runs (:meth:`rank_state` then asks its communicators)."""
+        status = self.ranks.get(rank, _UNKNOWN)
+        if status.failed:
+            return "failed"
+        if status.ended_at is not None:
+            return "exited 0" if status.exited_ok else "exited"
+        return status.hung
 
     def node_host(self, node: int) -> str:
         """The host node ``node``'s ranks registered from, when the run spans several hosts; else ""."""
