@@ -253,9 +253,10 @@ class Daemon:
                                          phase=msg.phase))
 
     def _compile_state(self, client: bytes, msg: s.CompileState, fds: Sequence[int], payload: Payload | None) -> None:
-        """A rank starts or stops compiling: its peers' waits meanwhile are not hangs."""
+        """A rank starts or stops compiling: its peers' waits meanwhile are not hangs, and the console says so."""
         self.hangs.pause(msg.rank, "compiling", msg.compiling)
         self.reply(client, s.Ok(req=msg.req))
+        self.events.publish(s.RankCompiling(rank=msg.rank, pid=msg.pid, compiling=msg.compiling))
 
     def _debugger_state(self, client: bytes, msg: s.DebuggerState, fds: Sequence[int],
                         payload: Payload | None) -> None:

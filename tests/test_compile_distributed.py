@@ -13,11 +13,12 @@ every loss and checksum must agree.
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
 
-from test_run import FIXTURES, mirage_run
+from test_run import FIXTURES, mirage_run, run_dir
 from test_training import run_on_cpu
 
 # a set of its own (bash tests/run_suite.sh -m compile), which .ci/run runs after the default suite
@@ -97,3 +98,10 @@ def test_a_rank_still_compiling_is_not_a_hang(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "HANG" not in r.stderr
     assert "[1] [rank 1] slow_compile_ok" in r.stdout
+    # the console is told: each rank's compilations begin and end, so its state reads "compiling" meanwhile
+    with open(run_dir(tmp_path) / "events.jsonl") as f:
+        events = [json.loads(line) for line in f]
+    for rank in (0, 1):
+        marks = [e["compiling"] for e in events if e["type"] == "rank_compiling" and e["rank"] == rank]
+        assert marks and marks[0] is True and marks[-1] is False, (rank, marks)
+        assert all(a != b for a, b in zip(marks, marks[1:])), (rank, marks)

@@ -28,6 +28,15 @@ def _started() -> RunState:
     return state
 
 
+def test_a_compiling_rank_reads_compiling_until_its_compilation_ends():
+    state = _started()
+    assert state.apply(s.RankCompiling(t=12.5, rank=1, pid=101, compiling=True)) == Changed.RANKS
+    assert [state.rank_state(r) for r in (0, 1)] == ["running", "compiling"]
+    assert rank_summary.summarize(state).counts["compiling"] == 1
+    state.apply(s.RankCompiling(t=13.0, rank=1, pid=101, compiling=False))
+    assert state.rank_state(1) == "running"
+
+
 def test_rank_states_from_running_to_how_they_ended():
     state = RunState()
     assert state.apply(s.DaemonReady(t=10.0, nodes=2)) == Changed.RANKS

@@ -30,7 +30,7 @@ __all__ = [
     "RankRegistered", "RankGone", "MemoryUsage", "CommJoined", "CollectiveEnqueued", "CollectiveStarted",
     "CollectiveProgress", "CollectiveCompleted", "CommFailed", "HangKind", "WorldStage", "HangDetected",
     "StragglerWarning", "HangReport", "ProtocolError", "OutputLine", "ProcessExited", "SessionEnded",
-    "DebugPhase", "DebuggerState", "RankDebugging", "RankExited", "HostLost", "CompileState",
+    "DebugPhase", "DebuggerState", "RankDebugging", "RankExited", "HostLost", "CompileState", "RankCompiling",
 ]
 
 VERSION = 1
@@ -605,6 +605,16 @@ class DebuggerState(Request):
     debugger: str = "pdb"  # or "debugpy"
     address: str = ""
     connect: str = ""
+
+
+@dataclass(frozen=True)
+class RankCompiling(Event):
+    """Rank ``rank`` began (``compiling``) or ended a ``torch.compile`` compilation (its ``CompileState``)."""
+
+    TYPE: ClassVar[str] = "rank_compiling"
+    rank: int = 0
+    pid: int = 0
+    compiling: bool = False
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from mirage_tui.glyphs import histogram, human_bytes
 from mirage_tui.state.rank_summary import CELL_STATES, CommProgress, MemoryDistribution, Summary
 
 #: One character per rank; the shapes differ too, so the states read without colour (NO_COLOR).
-GLYPHS = {"running": "●", "in collective": "◆", "behind": "▲", "stuck": "■", "missing": "✖",
+GLYPHS = {"running": "●", "compiling": "◐", "in collective": "◆", "behind": "▲", "stuck": "■", "missing": "✖",
           "exited 0": "○", "exited": "○", "failed": "✗"}
 #: The states ``b`` visits: the ranks others wait for.
 LAGGARD_STATES = ("behind", "missing", "stuck")

@@ -18,7 +18,7 @@ THEMES_DIR = Path(__file__).resolve().parents[1] / "themes"
 DEFAULT_THEME = "mirage-dark"
 #: The theme variable the rank tree and grid colour each rank state with; every theme file must set them all
 #: (``behind`` is the grid's: see mirage_tui/state/rank_summary.py).
-RANK_STATE_VARIABLES = {"running": "rank-running", "in collective": "rank-collective", "stuck": "rank-stuck",
+RANK_STATE_VARIABLES = {"running": "rank-running", "compiling": "rank-compiling", "in collective": "rank-collective", "stuck": "rank-stuck",
                         "missing": "rank-missing", "exited 0": "rank-exited", "exited": "rank-exited",
                         "failed": "rank-failed", "behind": "rank-behind"}
 _FIELDS = ("primary", "secondary", "accent", "background", "surface", "panel", "foreground",

@@ -26,7 +26,7 @@ MANY_RANKS = 16
 #: rank that waits in no collective while another member of one of its communicators already posted a later
 #: one, i.e. a rank the others wait for. A rank behind somewhere but waiting in a collective itself is shown
 #: *in collective*: it is held up too, and colouring it as a culprit would hide the one that holds it.
-CELL_STATES = ("running", "in collective", "behind", "stuck", "missing", "exited 0", "exited", "failed")
+CELL_STATES = ("running", "compiling", "in collective", "behind", "stuck", "missing", "exited 0", "exited", "failed")
 
 #: Ops numbered per pair of ranks rather than per communicator (the names the fold's positions keep):
 #: their sequence numbers say nothing about who is behind.
@@ -123,7 +123,7 @@ def summarize(state: RunState, now: float | None = None) -> Summary:
     for rank, status in sorted(state.ranks.items()):
         if status.node is None:
             continue  # named by a hang before it registered: the grid shows it once it does
-        word = state.settled_state(rank) or (
+        word = state.settled_state(rank) or ("compiling" if status.compiling else
             "in collective" if rank in in_coll else "behind" if rank in behind_in else "running")
         summary.states[rank] = word
         summary.counts[word] += 1

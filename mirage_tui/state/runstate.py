@@ -153,6 +153,7 @@ class RankStatus:
     host: str = ""  # the machine it registered from (several hosts: --launcher slurm)
     gpus: set[int] = field(default_factory=set)  # the node's GPU indices it used
     peak_memory: int = 0  # bytes: the largest allocation peak any of its GPUs reported
+    compiling: bool = False  # inside a torch.compile compilation (dynamo to inductor)
 
 
 @dataclass
@@ -248,6 +249,10 @@ class RunState:
             status.ended_at = e.t
         if status.raised:
             status.failed = True
+        return Changed.RANKS
+
+    def _compiling(self, e: s.RankCompiling) -> Changed:
+        self._rank(e.rank).compiling = e.compiling
         return Changed.RANKS
 
     def _joined(self, e: s.CommJoined) -> Changed:
@@ -396,10 +401,13 @@ class RunState:
         self._rank(rank).failed = True
 
     def rank_state(self, rank: int) -> str:
-        """running, in collective, stuck, missing; then exited 0, failed, or exited (its exit code unknown)."""
+        """running, compiling, in collective, stuck, missing; then exited 0, failed, or exited (its exit code
+        unknown)."""
         word = self.settled_state(rank)
         if word:
             return word
+        if self.ranks.get(rank, _UNKNOWN).compiling:
+            return "compiling"
         for comm in self.comms.values():
             pos = comm.ranks.get(rank)
             if pos is not None and pos.last_enqueued > pos.last_completed:
@@ -573,6 +581,7 @@ _FOLDS: dict[type, Callable[[RunState, s.Event], Changed]] = {
     s.RankRegistered: RunState._registered,
     s.HostLost: RunState._host_lost,
     s.RankGone: RunState._gone,
+    s.RankCompiling: RunState._compiling,
     s.CommJoined: RunState._joined,
     s.CollectiveEnqueued: RunState._enqueued,
     s.CollectiveStarted: RunState._started,
