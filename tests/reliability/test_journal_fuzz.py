@@ -38,6 +38,8 @@ def _value(gen: random.Random, hint, comms: list[str]):
         return [_value(gen, item, comms) for _ in range(gen.choice([0, 1, 2, 3, 40]))]
     if isinstance(hint, type) and issubclass(hint, Enum):
         return gen.choice(list(hint))
+    if hint is bool:
+        return gen.choice([True, False])
     if hint is float:
         return gen.choice([0.0, -1.0, 1e300, 1.5, gen.random() * 2e9, -0.0, 5e-324])
     if hint is int:
@@ -63,7 +65,8 @@ def junk_line(gen: random.Random, valid: bytes) -> bytes:
         hints = typing.get_type_hints(s.MESSAGE_TYPES[body["type"]])
         name = gen.choice([k for k in body if k in hints])
         hint = hints[name]
-        wrong = {int: ["1", 1.5, True, None], float: ["1.5", None, [1.0]], str: [1, None, ["x"], {}]}
+        wrong = {int: ["1", 1.5, True, None], float: ["1.5", None, [1.0]], str: [1, None, ["x"], {}],
+                 bool: [1, "true", None]}
         body[name] = gen.choice(wrong.get(hint, [None, "not-a-member", 7, {}]))
         return json.dumps(body).encode()
     if kind == 3:
