@@ -25,12 +25,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from shim.clock import clock
 from shim.comm import fault_injection
 from shim.comm.call_forms import c10d_forms
 from shim.cuda import graphs
-from shim.device import state as dev
 from shim.ops.functional import host_gpu
+from shim.rank.runtime import RUNTIME
 from shim.tensor.wrapper import MirageTensor
 from shim.transport import profiler as prof
 from shim.transport import stream
@@ -191,7 +190,7 @@ class MirageProcessGroup(dist.ProcessGroup):
         self._is_default = not dist.is_initialized()
         if self._is_default:
             fault_injection.choose(rank)
-        self._in_process = os.environ.get("MIRAGE_IN_PROCESS") == "1"
+        self._in_process = RUNTIME.settings.in_process
         # torch sets the group's name and description once the backend exists; the daemon hears of the
         # communicator now, so they are taken from the helper's arguments (``creating``)
         self._comm = Comm("", rank, size, None, timeout.total_seconds(), _start_stride(creating.ranks),
@@ -220,7 +219,7 @@ class MirageProcessGroup(dist.ProcessGroup):
                 size=size,
                 # not $RANK: mp.spawn children all inherit their parent's
                 global_rank=rank if self._is_default else dist.get_rank(),
-                node=int(os.environ.get("MIRAGE_NODE_RANK", "0")),
+                node=RUNTIME.settings.node_rank,
                 host=host,
                 transport=path,
                 name=creating.name[:MAX_DESC_CHARS],
@@ -228,7 +227,7 @@ class MirageProcessGroup(dist.ProcessGroup):
             )
         )
         if isinstance(reply, s.Error):
-            raise nccl_error(reply.code, reply.message, dev.STATE.current)
+            raise nccl_error(reply.code, reply.message, RUNTIME.device.current)
 
     # -- identity (functional collectives, DTensor and FSDP2 look groups up by name)
     def getBackendName(self) -> str:
@@ -291,9 +290,9 @@ class MirageProcessGroup(dist.ProcessGroup):
         if self._is_default and fault_injection.pending() and fault_injection.inject(self._comm.seq + 1):
             return None  # skipped: this rank's code "never called" it, so its sequence number stays
         call = Call(op, inputs, out_numel, dtype, deliver, reduce_op, root,
-                    dev.STATE.current if device is None else device, stage, splits or [],
+                    RUNTIME.device.current if device is None else device, stage, splits or [],
                     sum(t.numel() for t in inputs) if numel is None else numel, premul, owner)
-        with stream.LOCK, stream.PLAIN():
+        with RUNTIME.stream.lock, stream.PLAIN():
             stream.after_writers_of(inputs)
             return self._paths.path(call).post(call)
 
@@ -338,15 +337,16 @@ class MirageProcessGroup(dist.ProcessGroup):
                     self._run(s.CollOp.BROADCAST, [buf], buf.numel(), buf.dtype, _into(_flat(o)), root=k,
                               device=_gpu(t), stage=k == self._comm.rank)
                 continue
-            self._run(s.CollOp.ALLGATHER, [elem], n * self._comm.size, elem.dtype, _into_each([_flat(o) for o in outs]),
-                      device=_gpu(t))
+            self._run(s.CollOp.ALLGATHER, [elem], n * self._comm.size, elem.dtype,
+                      _into_each([_flat(o) for o in outs]), device=_gpu(t))
         return self._done(output_lists)
 
     @_cpu_via_gloo
     @prof.profiled("nccl:_all_gather_base", "_allgather_base", 1, 0)
     def _allgather_base(self, output, input, opts=None):
         elem = _flat(input)
-        self._run(s.CollOp.ALLGATHER, [elem], output.numel(), elem.dtype, _into(_flat(output)), device=_gpu(input))
+        self._run(s.CollOp.ALLGATHER, [elem], output.numel(), elem.dtype, _into(_flat(output)),
+                  device=_gpu(input))
         return self._done([output])
 
     @_cpu_via_gloo
@@ -482,9 +482,9 @@ class MirageProcessGroup(dist.ProcessGroup):
         self._p2p_seq[key] = n = self._p2p_seq.get(key, 0) + 1
         request = s.Collective(
             comm=self._comm.id, seq=n, rank=self._comm.rank, op=op, dtype=str(elem.dtype).removeprefix("torch."),
-            numel=elem.numel(), out_numel=elem.numel(), device=dev.STATE.physical[_gpu(tensor)], peer=peer,
+            numel=elem.numel(), out_numel=elem.numel(), device=RUNTIME.device.physical[_gpu(tensor)], peer=peer,
             site=call_site(),
-            t_ready=0.0 if clock.CLOCK is None else clock.CLOCK.collective_ready(_gpu(tensor), self._comm.id),
+            t_ready=0.0 if RUNTIME.clock is None else RUNTIME.clock.collective_ready(_gpu(tensor), self._comm.id),
         )
         deliver = None if op is s.CollOp.SEND else _into(elem)
         return self._paths.main.post_p2p(request, elem, deliver, _gpu(tensor), tensor)
