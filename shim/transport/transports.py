@@ -71,15 +71,21 @@ class Call:
     inputs: list[torch.Tensor]  # the CPU data of the rank's input tensors, in order
     out_numel: int
     dtype: torch.dtype
-    deliver: Callable[[torch.Tensor], None] | None  # takes the flat output when the work completes
+    deliver: Callable[[torch.Tensor], None] | None = None  # takes the flat output when the work completes
     reduce_op: s.ReduceOp = s.ReduceOp.SUM
     root: int = 0
-    device: int = 0  # the visible ordinal of the GPU it runs on
+    device: int | None = None  # the visible ordinal of the GPU it runs on (None: the current device's)
     stage: bool = True  # whether this rank's inputs are sent (a broadcast's non-roots send nothing)
     splits: list[int] = field(default_factory=list)
-    numel: int = 0  # what the daemon matches across ranks (scatter: the share)
+    numel: int | None = None  # what the daemon matches across ranks (scatter: the share; None: the inputs')
     premul: float | None = None  # premul_sum's factor, applied to the staged copy
     owner: torch.Tensor | None = None  # the emulated tensor whose data is inputs[0], for zero-copy
+
+    def __post_init__(self) -> None:
+        if self.device is None:
+            self.device = RUNTIME.device.current
+        if self.numel is None:
+            self.numel = sum(t.numel() for t in self.inputs)
 
     @property
     def staged_numel(self) -> int:
