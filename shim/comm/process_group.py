@@ -25,12 +25,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from shim.clock import clock
 from shim.comm import fault_injection
 from shim.comm.call_forms import c10d_forms
 from shim.cuda import graphs
-from shim.device import state as dev
 from shim.ops.functional import host_gpu
+from shim.rank.runtime import RUNTIME
 from shim.tensor.wrapper import MirageTensor
 from shim.transport import profiler as prof
 from shim.transport import stream
@@ -79,7 +78,7 @@ creating = GroupBirth()
 
 
 def _reduction(opts) -> dict:
-    """``_run``'s keywords for the options' reduction (C++ hands us a ReduceOp wrapping a RedOpType).
+    """A :class:`Call`'s keywords for the options' reduction (C++ hands us a ReduceOp wrapping a RedOpType).
 
     ``premul_sum`` (``dist._make_nccl_premul_sum(factor)``) is NCCL's sum of
     inputs each scaled by ``factor``: the scaling happens on the staged copy,
@@ -191,7 +190,7 @@ class MirageProcessGroup(dist.ProcessGroup):
         self._is_default = not dist.is_initialized()
         if self._is_default:
             fault_injection.choose(rank)
-        self._in_process = os.environ.get("MIRAGE_IN_PROCESS") == "1"
+        self._in_process = RUNTIME.settings.in_process
         # torch sets the group's name and description once the backend exists; the daemon hears of the
         # communicator now, so they are taken from the helper's arguments (``creating``)
         self._comm = Comm("", rank, size, None, timeout.total_seconds(), _start_stride(creating.ranks),
@@ -220,7 +219,7 @@ class MirageProcessGroup(dist.ProcessGroup):
                 size=size,
                 # not $RANK: mp.spawn children all inherit their parent's
                 global_rank=rank if self._is_default else dist.get_rank(),
-                node=int(os.environ.get("MIRAGE_NODE_RANK", "0")),
+                node=RUNTIME.settings.node_rank,
                 host=host,
                 transport=path,
                 name=creating.name[:MAX_DESC_CHARS],
@@ -228,7 +227,7 @@ class MirageProcessGroup(dist.ProcessGroup):
             )
         )
         if isinstance(reply, s.Error):
-            raise nccl_error(reply.code, reply.message, dev.STATE.current)
+            raise nccl_error(reply.code, reply.message, RUNTIME.device.current)
 
     # -- identity (functional collectives, DTensor and FSDP2 look groups up by name)
     def getBackendName(self) -> str:
@@ -272,16 +271,12 @@ class MirageProcessGroup(dist.ProcessGroup):
             self._cpu._set_default_timeout(timeout)
 
     # -- every collective: one call, on the path its transports choose
-    def _run(self, op: s.CollOp, inputs: list[torch.Tensor], out_numel: int, dtype: torch.dtype,
-             deliver: Callable[[torch.Tensor], None] | None = None, reduce_op=s.ReduceOp.SUM, root: int = 0,
-             device: int | None = None, stage: bool = True, splits: list[int] | None = None,
-             numel: int | None = None, premul: float | None = None,
-             owner: torch.Tensor | None = None) -> Pending | None:
-        """Post one collective; its flat output goes to ``deliver`` when its work completes.
+    def _run(self, call: Call) -> Pending | None:
+        """Post one collective; its flat output goes to ``call.deliver`` when its work completes.
 
         The inputs are staged (copied) now, so the caller may reuse them; the
         output is copied out when the work is waited on (or polled complete).
-        An in-place collective (all-reduce, broadcast) of ``owner``, a large
+        An in-place collective (all-reduce, broadcast) of ``call.owner``, a large
         tensor whose data is ``inputs[0]``, may instead run on its storage
         itself (``shim.transport.shared_buffers``): nothing is copied, the daemon writes
         the tensor while the collective runs, as a GPU does.
@@ -290,11 +285,8 @@ class MirageProcessGroup(dist.ProcessGroup):
         graphs.refuse_collective()  # not a kernel on a stream: a graph's replay would not run it
         if self._is_default and fault_injection.pending() and fault_injection.inject(self._comm.seq + 1):
             return None  # skipped: this rank's code "never called" it, so its sequence number stays
-        call = Call(op, inputs, out_numel, dtype, deliver, reduce_op, root,
-                    dev.STATE.current if device is None else device, stage, splits or [],
-                    sum(t.numel() for t in inputs) if numel is None else numel, premul, owner)
-        with stream.LOCK, stream.PLAIN():
-            stream.after_writers_of(inputs)
+        with RUNTIME.stream.lock, stream.PLAIN():
+            stream.after_writers_of(call.inputs)
             return self._paths.path(call).post(call)
 
     def _done(self, result) -> dist.Work:
@@ -308,8 +300,8 @@ class MirageProcessGroup(dist.ProcessGroup):
         red = _reduction(opts)
         for t in tensors:
             elem = _flat(t)
-            self._run(s.CollOp.ALLREDUCE, [elem], elem.numel(), elem.dtype, _into(elem), device=_gpu(t), owner=t,
-                      **red)
+            self._run(Call(s.CollOp.ALLREDUCE, [elem], elem.numel(), elem.dtype, _into(elem), device=_gpu(t), owner=t,
+                           **red))
         return self._done(tensors)
 
     @c10d_forms
@@ -320,8 +312,8 @@ class MirageProcessGroup(dist.ProcessGroup):
         for t in tensors:
             elem = _flat(t)
             mine = self._comm.rank == root
-            self._run(s.CollOp.BROADCAST, [elem], elem.numel(), elem.dtype, None if mine else _into(elem),
-                      root=root, device=_gpu(t), stage=mine, owner=t)
+            self._run(Call(s.CollOp.BROADCAST, [elem], elem.numel(), elem.dtype, None if mine else _into(elem),
+                           root=root, device=_gpu(t), stage=mine, owner=t))
         return self._done(tensors)
 
     @c10d_forms
@@ -335,26 +327,27 @@ class MirageProcessGroup(dist.ProcessGroup):
                 # uneven sizes: one broadcast per rank, as ProcessGroupNCCL does
                 for k, o in enumerate(outs):
                     buf = elem if k == self._comm.rank else _flat(o)
-                    self._run(s.CollOp.BROADCAST, [buf], buf.numel(), buf.dtype, _into(_flat(o)), root=k,
-                              device=_gpu(t), stage=k == self._comm.rank)
+                    self._run(Call(s.CollOp.BROADCAST, [buf], buf.numel(), buf.dtype, _into(_flat(o)), root=k,
+                                   device=_gpu(t), stage=k == self._comm.rank))
                 continue
-            self._run(s.CollOp.ALLGATHER, [elem], n * self._comm.size, elem.dtype, _into_each([_flat(o) for o in outs]),
-                      device=_gpu(t))
+            self._run(Call(s.CollOp.ALLGATHER, [elem], n * self._comm.size, elem.dtype,
+                           _into_each([_flat(o) for o in outs]), device=_gpu(t)))
         return self._done(output_lists)
 
     @_cpu_via_gloo
     @prof.profiled("nccl:_all_gather_base", "_allgather_base", 1, 0)
     def _allgather_base(self, output, input, opts=None):
         elem = _flat(input)
-        self._run(s.CollOp.ALLGATHER, [elem], output.numel(), elem.dtype, _into(_flat(output)), device=_gpu(input))
+        self._run(Call(s.CollOp.ALLGATHER, [elem], output.numel(), elem.dtype, _into(_flat(output)),
+                       device=_gpu(input)))
         return self._done([output])
 
     @_cpu_via_gloo
     @prof.profiled("nccl:_reduce_scatter_base", "_reduce_scatter_base", 1, 0)
     def _reduce_scatter_base(self, output, input, opts=None):
         elem = _flat(input)
-        self._run(s.CollOp.REDUCE_SCATTER, [elem], output.numel(), elem.dtype, _into(_flat(output)),
-                  device=_gpu(input), **_reduction(opts))
+        self._run(Call(s.CollOp.REDUCE_SCATTER, [elem], output.numel(), elem.dtype, _into(_flat(output)),
+                       device=_gpu(input), **_reduction(opts)))
         return self._done([output])
 
     @c10d_forms
@@ -366,8 +359,8 @@ class MirageProcessGroup(dist.ProcessGroup):
             elem = _flat(t)
             mine = self._comm.rank == root
             # NCCL leaves non-root buffers as they were: only the root receives
-            self._run(s.CollOp.REDUCE, [elem], elem.numel() if mine else 0, elem.dtype,
-                      _into(elem) if mine else None, root=root, device=_gpu(t), **_reduction(opts))
+            self._run(Call(s.CollOp.REDUCE, [elem], elem.numel() if mine else 0, elem.dtype,
+                           _into(elem) if mine else None, root=root, device=_gpu(t), **_reduction(opts)))
         return self._done(tensors)
 
     @c10d_forms
@@ -380,8 +373,8 @@ class MirageProcessGroup(dist.ProcessGroup):
         if outs and (len(outs) != self._comm.size or any(o.numel() != elem.numel() for o in outs)):
             raise ValueError("Tensor list output of gather must match number of collective participants "
                              "and each tensor the input's size")
-        self._run(s.CollOp.GATHER, [elem], elem.numel() * self._comm.size if outs else 0, elem.dtype,
-                  _into_each(outs) if outs else None, root=root, device=_gpu(inputs[0]))
+        self._run(Call(s.CollOp.GATHER, [elem], elem.numel() * self._comm.size if outs else 0, elem.dtype,
+                       _into_each(outs) if outs else None, root=root, device=_gpu(inputs[0])))
         return self._done(output_lists)
 
     @c10d_forms
@@ -395,8 +388,8 @@ class MirageProcessGroup(dist.ProcessGroup):
             raise ValueError("Tensor list input to scatter must match number of collective participants "
                              "and each tensor the output's size")
         # numel is the per-rank share, the same on every rank; only the root stages its list
-        self._run(s.CollOp.SCATTER, sources, out.numel(), out.dtype, _into(out), root=root,
-                  device=_gpu(outputs[0]), stage=bool(sources), numel=out.numel())
+        self._run(Call(s.CollOp.SCATTER, sources, out.numel(), out.dtype, _into(out), root=root,
+                       device=_gpu(outputs[0]), stage=bool(sources), numel=out.numel()))
         return self._done(outputs)
 
     @c10d_forms
@@ -409,11 +402,11 @@ class MirageProcessGroup(dist.ProcessGroup):
         if any(p.numel() != out.numel() for p in parts):
             # uneven parts: one reduce per destination rank, as ProcessGroupNCCL does
             for k, part in enumerate(parts):
-                self._run(s.CollOp.REDUCE, [part], part.numel() if k == self._comm.rank else 0, part.dtype,
-                          _into(out) if k == self._comm.rank else None, root=k, device=_gpu(outputs[0]), **red)
+                self._run(Call(s.CollOp.REDUCE, [part], part.numel() if k == self._comm.rank else 0, part.dtype,
+                               _into(out) if k == self._comm.rank else None, root=k, device=_gpu(outputs[0]), **red))
             return self._done(outputs)
-        self._run(s.CollOp.REDUCE_SCATTER, parts, out.numel(), out.dtype, _into(out), device=_gpu(outputs[0]),
-                  **red)
+        self._run(Call(s.CollOp.REDUCE_SCATTER, parts, out.numel(), out.dtype, _into(out), device=_gpu(outputs[0]),
+                       **red))
         return self._done(outputs)
 
     @_cpu_via_gloo
@@ -429,7 +422,7 @@ class MirageProcessGroup(dist.ProcessGroup):
         # torch counts splits in rows of dim 0; the daemon in elements
         row = src[0].numel() if src.dim() > 0 and src.size(0) else 1
         splits = [n * row for n in input_split_sizes] if input_split_sizes else [src.numel() // self._comm.size] * self._comm.size
-        self._run(s.CollOp.ALLTOALL, [src], dst.numel(), src.dtype, _into(dst), device=_gpu(input), splits=splits)
+        self._run(Call(s.CollOp.ALLTOALL, [src], dst.numel(), src.dtype, _into(dst), device=_gpu(input), splits=splits))
         return self._done([output])
 
     all_to_all_single = alltoall_base
@@ -439,8 +432,8 @@ class MirageProcessGroup(dist.ProcessGroup):
     def alltoall(self, outputs, inputs, opts=None):
         srcs = [_flat(t) for t in inputs]
         outs = [_flat(t) for t in outputs]
-        self._run(s.CollOp.ALLTOALL, srcs, sum(o.numel() for o in outs), srcs[0].dtype, _into_each(outs),
-                  device=_gpu(inputs[0]), splits=[t.numel() for t in srcs])
+        self._run(Call(s.CollOp.ALLTOALL, srcs, sum(o.numel() for o in outs), srcs[0].dtype, _into_each(outs),
+                       device=_gpu(inputs[0]), splits=[t.numel() for t in srcs]))
         return self._done(outputs)
 
     @_cpu_via_gloo
@@ -448,8 +441,8 @@ class MirageProcessGroup(dist.ProcessGroup):
     def allreduce_coalesced(self, tensors, opts=None):
         # one flat all-reduce over the concatenation, as NCCL's grouped calls amount to
         elems = [_flat(t) for t in tensors]
-        self._run(s.CollOp.ALLREDUCE, elems, sum(e.numel() for e in elems), elems[0].dtype, _into_each(elems),
-                  device=_gpu(tensors[0]), **_reduction(opts))
+        self._run(Call(s.CollOp.ALLREDUCE, elems, sum(e.numel() for e in elems), elems[0].dtype, _into_each(elems),
+                       device=_gpu(tensors[0]), **_reduction(opts)))
         return self._done(tensors)
 
     # the coalesced tensor forms (functional collectives, DTensor, FSDP2): one collective per pair,
@@ -459,7 +452,7 @@ class MirageProcessGroup(dist.ProcessGroup):
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         for out, inp in zip(outputs, inputs):
             elem = _flat(inp)
-            self._run(s.CollOp.ALLGATHER, [elem], out.numel(), elem.dtype, _into(_flat(out)), device=_gpu(inp))
+            self._run(Call(s.CollOp.ALLGATHER, [elem], out.numel(), elem.dtype, _into(_flat(out)), device=_gpu(inp)))
         return self._done(outputs)
 
     @_cpu_via_gloo
@@ -468,8 +461,8 @@ class MirageProcessGroup(dist.ProcessGroup):
         red = _reduction(opts)
         for out, inp in zip(outputs, inputs):
             elem = _flat(inp)
-            self._run(s.CollOp.REDUCE_SCATTER, [elem], out.numel(), elem.dtype, _into(_flat(out)),
-                      device=_gpu(inp), **red)
+            self._run(Call(s.CollOp.REDUCE_SCATTER, [elem], out.numel(), elem.dtype, _into(_flat(out)),
+                           device=_gpu(inp), **red))
         return self._done(outputs)
 
     # -- point to point: asynchronous, each message on its own
@@ -482,9 +475,9 @@ class MirageProcessGroup(dist.ProcessGroup):
         self._p2p_seq[key] = n = self._p2p_seq.get(key, 0) + 1
         request = s.Collective(
             comm=self._comm.id, seq=n, rank=self._comm.rank, op=op, dtype=str(elem.dtype).removeprefix("torch."),
-            numel=elem.numel(), out_numel=elem.numel(), device=dev.STATE.physical[_gpu(tensor)], peer=peer,
+            numel=elem.numel(), out_numel=elem.numel(), device=RUNTIME.device.physical[_gpu(tensor)], peer=peer,
             site=call_site(),
-            t_ready=0.0 if clock.CLOCK is None else clock.CLOCK.collective_ready(_gpu(tensor), self._comm.id),
+            t_ready=0.0 if RUNTIME.clock is None else RUNTIME.clock.collective_ready(_gpu(tensor), self._comm.id),
         )
         deliver = None if op is s.CollOp.SEND else _into(elem)
         return self._paths.main.post_p2p(request, elem, deliver, _gpu(tensor), tensor)
@@ -504,5 +497,5 @@ class MirageProcessGroup(dist.ProcessGroup):
     @c10d_forms
     @prof.profiled("nccl:all_reduce", "barrier", 1)
     def barrier(self, opts=None):
-        self._run(s.CollOp.BARRIER, [], 0, torch.float32)
+        self._run(Call(s.CollOp.BARRIER, [], 0, torch.float32))
         return self._done([])
