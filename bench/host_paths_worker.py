@@ -40,10 +40,13 @@ def timed(fn, iters: int, group) -> float:
 
 def main() -> None:
     if os.environ.get("HOST_PATHS_VIA_HEAD") == "1":
-        from shim.rank import client
+        import dataclasses
 
-        client._host_client = None
-        os.environ.pop("MIRAGE_HOST_ENDPOINT", None)
+        from shim.rank.runtime import RUNTIME
+
+        # the shim reads its settings once: take this host's daemon out of them, not out of the environment
+        RUNTIME.settings = dataclasses.replace(RUNTIME.settings, host_endpoint="")
+        RUNTIME._host_client = None  # connected when the rank registered
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     mesh = init_device_mesh("cuda", (world // 2, 2), mesh_dim_names=("dp", "tp"))

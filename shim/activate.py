@@ -55,11 +55,11 @@ def activate() -> None:
     engine.install()  # and the C++ device guard (the first registered is kept too)
     _setup_privateuseone_for_python_backend(rename=BACKEND, backend_module=_Backend())
     from shim.clock import clock
-    from shim.device.state import STATE
+    from shim.rank.runtime import RUNTIME
 
     # before anything that registers an exit hook: the rank's trace is written after the collectives
     # still in flight have completed (exit hooks run last registered first)
-    clock.install(STATE.profile)
+    clock.install(RUNTIME.device.profile)
     from shim.comm import local as local_comm
     from shim.compile import torch_compile
     from shim.cuda import api as cuda
@@ -95,6 +95,7 @@ def activate() -> None:
 def _register_rank() -> None:
     """Tell the daemon which pid is which rank, so the console can name it (the rank claimed at start-up)."""
     from shim.comm import registration
+    from shim.rank.runtime import RUNTIME
 
-    if registration.RANK is not None:
-        registration.register_rank(registration.RANK)
+    if RUNTIME.claimed_rank is not None:
+        registration.register_rank(RUNTIME.claimed_rank)

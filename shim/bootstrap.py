@@ -23,6 +23,7 @@ import sys
 from shim.comm import registration
 from shim.compile import triton_runtime
 from shim.import_hooks import after_import
+from shim.rank.runtime import RUNTIME
 
 _AGENT_MODULES = ("torch.distributed.run", "torch.distributed.launch")
 
@@ -44,9 +45,9 @@ def _count_gpus_in_agent() -> None:
     """torchrun's agent answers ``torch.cuda``/``torch.accelerator``'s counts with the node's emulated GPUs."""
     import torch
 
-    from shim.device.state import STATE
+    from shim.device import state  # noqa: F401 - it registers the device state on the runtime
 
-    count = STATE.count
+    count = RUNTIME.device.count
     torch.cuda.is_available = lambda: count > 0
     torch.cuda.device_count = lambda: count
     torch.accelerator.is_available = lambda: count > 0
@@ -66,9 +67,9 @@ def _launched_rank() -> int | None:
     and ``mp.spawn`` children inherit their parent's (the rank it claimed) or none.
     """
     rank = os.environ.get("RANK")
-    if rank is None and os.environ.get("MIRAGE_NUM_NODES", "1") == "1":
+    if rank is None and RUNTIME.settings.num_nodes == 1:
         rank = os.environ.get("LOCAL_RANK")
-    if rank is None or not rank.isdigit() or rank == os.environ.get(registration.CLAIMED):
+    if rank is None or not rank.isdigit() or rank == RUNTIME.settings.claimed_rank:
         return None
     return int(rank)
 
@@ -79,20 +80,23 @@ def boot() -> None:
         _after_torch(_count_gpus_in_agent)
         return
     triton_runtime.prepare()  # before user code: @triton.jit picks the interpreter as it decorates
-    if os.environ.get("MIRAGE_EXEC") == "1":
+    settings = RUNTIME.settings
+    if settings.exec_probe:
         # 'mirage exec': a probe beside the job, not a rank: its output is its own, it claims no rank
         _after_torch(_activate)
         return
-    child = _launched_rank() if "MIRAGE_RANK_PID" in os.environ else None
-    if "MIRAGE_RANK_PID" not in os.environ or child is not None:
+    child = _launched_rank() if settings.rank_pid is not None else None
+    if settings.rank_pid is None or child is not None:
+        # for this process's descendants: the settings keep what it inherited
         os.environ["MIRAGE_RANK_PID"] = str(os.getpid())
         from shim.rank.output import arm_stack_dumps, capture
 
-        rank = registration.RANK = int(os.environ.get("RANK", "0")) if child is None else child
+        rank = int(os.environ.get("RANK", "0")) if child is None else child
+        RUNTIME.claim(rank)
         os.environ[registration.CLAIMED] = str(rank)
-        capture(os.environ["MIRAGE_RUN_DIR"], rank)
-        arm_stack_dumps(os.environ["MIRAGE_RUN_DIR"], rank)
-        if os.environ.get("MIRAGE_DEBUG_RANK") == str(rank):  # --debug-rank: stop before the program runs
+        capture(settings.run_dir, rank)
+        arm_stack_dumps(settings.run_dir, rank)
+        if settings.debug_rank == str(rank):  # --debug-rank: stop before the program runs
             from shim.rank.debugger import wait_for_debugger
 
             wait_for_debugger(rank)

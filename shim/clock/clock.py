@@ -1,8 +1,9 @@
 """Clocked mode's rank side: every stream of every emulated GPU keeps emulated time (issue #16).
 
 With ``MIRAGE_EXEC_MODE=clocked`` (``mirage run --exec-mode clocked``) the
-process has one :data:`CLOCK`. Kernels still run on the CPU at once, for the
-right answers; the clock says when each *would* have run on the profile's GPU:
+process has one :class:`Clock`, ``RUNTIME.clock`` (``shim.rank.runtime``).
+Kernels still run on the CPU at once, for the right answers; the clock says
+when each *would* have run on the profile's GPU:
 
 - each aten op on an emulated tensor is a kernel on the thread's current
   stream, lasting what :func:`shim.clock.roofline.op_cost` says, starting when that
@@ -24,7 +25,7 @@ synchronises. Each ``optimizer.step()`` (over GPU parameters) ends a step: the s
 compute, communication and exposed (not overlapped) communication go to the
 daemon as a :class:`~wire.schema.StepReport`. At exit the rank writes its
 kernels and collectives as a Kineto-style trace (``traces/rank-<R>.json`` in
-the run directory). Functional mode has no clock: :data:`CLOCK` is None and the
+the run directory). Functional mode has no clock: ``RUNTIME.clock`` is None and the
 dispatch pays one test of it per op.
 """
 
@@ -38,10 +39,9 @@ import threading
 import torch
 
 from shim.clock.roofline import kernel_cost, op_cost
+from shim.rank.runtime import RUNTIME
 from wire.profiles import Profile
 
-#: whether this process keeps emulated time
-ENABLED = os.environ.get("MIRAGE_EXEC_MODE") == "clocked"
 #: Kernels and collectives kept for the trace, per rank; past it the step figures still count them.
 MAX_TRACE_EVENTS = 500_000
 #: Host <-> device copies: PCIe 5.0 x16 (64 GB/s each way, what the MI300X and MI350X OAM
@@ -316,56 +316,51 @@ def _global_rank() -> int | None:
 
 def _send_step(report: dict) -> None:
     """Tell the daemon (unanswered); a rank without one (a test, in process) keeps its figures."""
-    if not os.environ.get("MIRAGE_ENDPOINT"):
+    if not RUNTIME.settings.has_daemon:
         return
-    from shim.rank.client import client
     from wire.schema import StepReport
 
     rank = _global_rank()
     try:
-        client().send(StepReport(rank=rank or 0, node=int(os.environ.get("MIRAGE_NODE_RANK", "0") or 0), **report),
-                      reply=False)
+        RUNTIME.client().send(StepReport(rank=rank or 0, node=RUNTIME.settings.node_rank, **report), reply=False)
     except Exception:  # noqa: BLE001 - the daemon is gone: the run is ending and says why elsewhere
         pass
 
 
 def _step_hook(optimizer, args, kwargs) -> None:
     # an optimizer of CPU parameters only (a reference model, weights averaged on the host) ends no GPU step
-    if CLOCK is not None and any(p.device.type == "cuda" for g in optimizer.param_groups for p in g["params"]):
-        CLOCK.end_step()
+    clock = RUNTIME.clock
+    if clock is not None and any(p.device.type == "cuda" for g in optimizer.param_groups for p in g["params"]):
+        clock.end_step()
 
 
 def write_trace() -> str | None:
     """Write this rank's trace into the run directory (``traces/rank-<R>.json``); its path, or None."""
-    run_dir = os.environ.get("MIRAGE_RUN_DIR")
-    if CLOCK is None or not run_dir or not CLOCK.events:
+    run_dir, clock = RUNTIME.settings.run_dir, RUNTIME.clock
+    if clock is None or not run_dir or not clock.events:
         return None
     from wire import kineto_trace
 
-    rank = CLOCK.rank if CLOCK.rank is not None else _global_rank()
+    rank = clock.rank if clock.rank is not None else _global_rank()
     rank = 0 if rank is None else rank
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     path = os.path.join(run_dir, "traces", f"rank-{rank}.json")
     try:
-        kineto_trace.write_rank_trace(path, rank=rank, world_size=world, profile=CLOCK.profile.name,
-                                      device_name=CLOCK.profile.product, events=CLOCK.events, steps=CLOCK.steps,
-                                      dropped=CLOCK.dropped)
+        kineto_trace.write_rank_trace(path, rank=rank, world_size=world, profile=clock.profile.name,
+                                      device_name=clock.profile.product, events=clock.events, steps=clock.steps,
+                                      dropped=clock.dropped)
     except OSError as e:
         print(f"mirage: could not write the clocked trace {path}: {e}", file=sys.stderr, flush=True)
         return None
     return path
 
 
-#: the process's clock in clocked mode, else None
-CLOCK: Clock | None = None
-
-
 def install(profile: Profile) -> None:
-    """Start keeping emulated time (``MIRAGE_EXEC_MODE=clocked``); called once by the shim's activation."""
-    global CLOCK
-    if not ENABLED or CLOCK is not None:
+    """Start keeping emulated time (``MIRAGE_EXEC_MODE=clocked``): the runtime's clock (None in functional
+    mode); called once by the shim's activation."""
+    if not RUNTIME.settings.clocked or RUNTIME.clock is not None:
         return
-    CLOCK = Clock(profile)
+    RUNTIME.clock = Clock(profile)
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     register_optimizer_step_post_hook(_step_hook)

@@ -22,9 +22,8 @@ import threading
 
 import torch
 
-from shim.clock import clock
-from shim.device import state as dev
 from shim.import_hooks import after_import
+from shim.rank.runtime import RUNTIME
 
 _pending = threading.local()  # the kernels scheduled since the last compiled graph was made
 
@@ -82,8 +81,8 @@ def _keeping(init):
 def _charging(call):
     def compiled_call(self, inputs):
         kernels = getattr(self, "mirage_kernels", None)
-        if kernels and clock.CLOCK is not None:
-            clock.CLOCK.fused(dev.STATE.current, kernels)
+        if kernels and RUNTIME.clock is not None:
+            RUNTIME.clock.fused(RUNTIME.device.current, kernels)
         return call(self, inputs)
 
     return compiled_call

@@ -12,9 +12,10 @@ import os
 import sys
 import time
 
+from shim.rank.runtime import RUNTIME
 from wire import faults
 
-_PLANNED = faults.parse_env(os.environ.get(faults.ENV, ""))
+_PLANNED = faults.parse_env(RUNTIME.settings.inject)
 _FAULTS: list[faults.Fault] = []
 _chosen = False
 

@@ -14,24 +14,20 @@ collectives in the order they were posted, as on one stream.
 
 from __future__ import annotations
 
-import functools
 import os
 import socket
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from shim.clock import clock
 from shim.comm import fault_injection
+from shim.comm.call_args import cpu_via_gloo, flat, gpu_of, into, into_each, reduction
 from shim.comm.call_forms import c10d_forms
 from shim.cuda import graphs
-from shim.device import state as dev
-from shim.ops.functional import host_gpu
-from shim.tensor.wrapper import MirageTensor
+from shim.rank.runtime import RUNTIME
 from shim.transport import profiler as prof
 from shim.transport import stream
 from shim.transport.call_site import call_site
@@ -44,15 +40,6 @@ IN_PROCESS_MESSAGE = (
     "--in-process gives each process its own emulator; multi-process collectives need the daemon "
     "— drop --in-process"
 )
-_REDUCE = {
-    dist.ReduceOp.RedOpType.SUM: s.ReduceOp.SUM,
-    dist.ReduceOp.RedOpType.AVG: s.ReduceOp.AVG,
-    dist.ReduceOp.RedOpType.PRODUCT: s.ReduceOp.PRODUCT,
-    dist.ReduceOp.RedOpType.MIN: s.ReduceOp.MIN,
-    dist.ReduceOp.RedOpType.MAX: s.ReduceOp.MAX,
-}
-#: ``_reduction``'s answer for each plain reduction, made once (callers only unpack it)
-_KEYWORDS = {red: {"reduce_op": op} for red, op in _REDUCE.items()}
 #: Longest group description sent to the daemon: it is only ever shown, and every rank's join repeats it.
 MAX_DESC_CHARS = 256
 
@@ -78,96 +65,6 @@ class GroupBirth:
 creating = GroupBirth()
 
 
-def _reduction(opts) -> dict:
-    """``_run``'s keywords for the options' reduction (C++ hands us a ReduceOp wrapping a RedOpType).
-
-    ``premul_sum`` (``dist._make_nccl_premul_sum(factor)``) is NCCL's sum of
-    inputs each scaled by ``factor``: the scaling happens on the staged copy,
-    and the daemon sums.
-    """
-    if opts is None:
-        return _KEYWORDS[dist.ReduceOp.RedOpType.SUM]
-    red = opts.reduceOp
-    kw = _KEYWORDS.get(red.op)  # one lookup for the plain reductions (a third of the time it took)
-    if kw is not None:
-        return kw
-    if red.op == dist.ReduceOp.RedOpType.PREMUL_SUM:
-        factor = red.factor
-        return {"reduce_op": s.ReduceOp.SUM, "premul": factor.item() if isinstance(factor, torch.Tensor) else factor}
-    op = _REDUCE.get(red.op)
-    if op is None:
-        raise ValueError(f"reduce op {red.op.name} is not supported by the emulated NCCL")
-    return {"reduce_op": op}
-
-
-def _gpu(t: torch.Tensor) -> int:
-    """The emulated GPU of a collective's tensor."""
-    return t._gpu if isinstance(t, MirageTensor) else host_gpu()
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    """The CPU data of a collective's tensor, refused as ProcessGroupNCCL refuses it."""
-    if isinstance(t, MirageTensor):
-        t = t._elem
-    elif host_gpu() is None or t.device.type != "cpu":
-        raise ValueError(f"Tensors must be CUDA and dense; got a tensor on {t.device}")
-    if not t.is_contiguous():
-        raise ValueError("Tensors must be contiguous")
-    return t
-
-
-def _any_emulated(args) -> bool:
-    """Whether any argument of a collective, its lists opened (two levels: lists of lists of tensors),
-    is an emulated GPU's tensor; stops at the first (usually the first argument's first tensor)."""
-    for a in args:
-        if isinstance(a, MirageTensor):
-            return True
-        if isinstance(a, list):
-            for b in a:
-                if isinstance(b, MirageTensor) or (
-                    isinstance(b, list) and any(isinstance(c, MirageTensor) for c in b)
-                ):
-                    return True
-    return False
-
-
-def _cpu_via_gloo(method):
-    """Send a collective of CPU tensors to the group's gloo half, or refuse it as ProcessGroupNCCL does."""
-
-    @functools.wraps(method)
-    def route(self, *args, **kwargs):
-        if _any_emulated(args) or host_gpu() is not None:
-            return method(self, *args, **kwargs)
-        if self._cpu is None:
-            raise RuntimeError("No backend type associated with device type cpu")
-        return getattr(self._cpu, method.__name__)(*args, **kwargs)
-
-    return route
-
-
-def _into(dst: torch.Tensor) -> Callable[[torch.Tensor], None]:
-    """A ``deliver`` that copies a collective's flat output into ``dst``."""
-
-    def deliver(flat: torch.Tensor) -> None:
-        dst.copy_(flat.view(dst.shape))
-
-    deliver.targets = [dst]  # what a later collective must not read before this one is delivered
-    return deliver
-
-
-def _into_each(dsts: list[torch.Tensor]) -> Callable[[torch.Tensor], None]:
-    """A ``deliver`` that splits a collective's flat output over ``dsts``, in order."""
-
-    def deliver(flat: torch.Tensor) -> None:
-        at = 0
-        for d in dsts:
-            d.copy_(flat[at : at + d.numel()].view(d.shape))
-            at += d.numel()
-
-    deliver.targets = dsts
-    return deliver
-
-
 def _start_stride(ranks: list[int]) -> tuple[int, int]:
     """A group's first global rank and the stride between its ranks (-1: uneven), as ProcessGroupNCCL has them."""
     if not ranks:  # the default group
@@ -191,7 +88,7 @@ class MirageProcessGroup(dist.ProcessGroup):
         self._is_default = not dist.is_initialized()
         if self._is_default:
             fault_injection.choose(rank)
-        self._in_process = os.environ.get("MIRAGE_IN_PROCESS") == "1"
+        self._in_process = RUNTIME.settings.in_process
         # torch sets the group's name and description once the backend exists; the daemon hears of the
         # communicator now, so they are taken from the helper's arguments (``creating``)
         self._comm = Comm("", rank, size, None, timeout.total_seconds(), _start_stride(creating.ranks),
@@ -220,7 +117,7 @@ class MirageProcessGroup(dist.ProcessGroup):
                 size=size,
                 # not $RANK: mp.spawn children all inherit their parent's
                 global_rank=rank if self._is_default else dist.get_rank(),
-                node=int(os.environ.get("MIRAGE_NODE_RANK", "0")),
+                node=RUNTIME.settings.node_rank,
                 host=host,
                 transport=path,
                 name=creating.name[:MAX_DESC_CHARS],
@@ -228,7 +125,7 @@ class MirageProcessGroup(dist.ProcessGroup):
             )
         )
         if isinstance(reply, s.Error):
-            raise nccl_error(reply.code, reply.message, dev.STATE.current)
+            raise nccl_error(reply.code, reply.message, RUNTIME.device.current)
 
     # -- identity (functional collectives, DTensor and FSDP2 look groups up by name)
     def getBackendName(self) -> str:
@@ -272,16 +169,12 @@ class MirageProcessGroup(dist.ProcessGroup):
             self._cpu._set_default_timeout(timeout)
 
     # -- every collective: one call, on the path its transports choose
-    def _run(self, op: s.CollOp, inputs: list[torch.Tensor], out_numel: int, dtype: torch.dtype,
-             deliver: Callable[[torch.Tensor], None] | None = None, reduce_op=s.ReduceOp.SUM, root: int = 0,
-             device: int | None = None, stage: bool = True, splits: list[int] | None = None,
-             numel: int | None = None, premul: float | None = None,
-             owner: torch.Tensor | None = None) -> Pending | None:
-        """Post one collective; its flat output goes to ``deliver`` when its work completes.
+    def _run(self, call: Call) -> Pending | None:
+        """Post one collective; its flat output goes to ``call.deliver`` when its work completes.
 
         The inputs are staged (copied) now, so the caller may reuse them; the
         output is copied out when the work is waited on (or polled complete).
-        An in-place collective (all-reduce, broadcast) of ``owner``, a large
+        An in-place collective (all-reduce, broadcast) of ``call.owner``, a large
         tensor whose data is ``inputs[0]``, may instead run on its storage
         itself (``shim.transport.shared_buffers``): nothing is copied, the daemon writes
         the tensor while the collective runs, as a GPU does.
@@ -290,11 +183,8 @@ class MirageProcessGroup(dist.ProcessGroup):
         graphs.refuse_collective()  # not a kernel on a stream: a graph's replay would not run it
         if self._is_default and fault_injection.pending() and fault_injection.inject(self._comm.seq + 1):
             return None  # skipped: this rank's code "never called" it, so its sequence number stays
-        call = Call(op, inputs, out_numel, dtype, deliver, reduce_op, root,
-                    dev.STATE.current if device is None else device, stage, splits or [],
-                    sum(t.numel() for t in inputs) if numel is None else numel, premul, owner)
-        with stream.LOCK, stream.PLAIN():
-            stream.after_writers_of(inputs)
+        with RUNTIME.stream.lock, stream.PLAIN():
+            stream.after_writers_of(call.inputs)
             return self._paths.path(call).post(call)
 
     def _done(self, result) -> dist.Work:
@@ -302,124 +192,125 @@ class MirageProcessGroup(dist.ProcessGroup):
         return stream.work_of(result)
 
     @c10d_forms
-    @_cpu_via_gloo
+    @cpu_via_gloo
     @prof.profiled("nccl:all_reduce", "allreduce", 0)
     def allreduce(self, tensors, opts=None):
-        red = _reduction(opts)
+        red = reduction(opts)
         for t in tensors:
-            elem = _flat(t)
-            self._run(s.CollOp.ALLREDUCE, [elem], elem.numel(), elem.dtype, _into(elem), device=_gpu(t), owner=t,
-                      **red)
+            elem = flat(t)
+            self._run(Call(s.CollOp.ALLREDUCE, [elem], elem.numel(), elem.dtype, into(elem), device=gpu_of(t), owner=t,
+                           **red))
         return self._done(tensors)
 
     @c10d_forms
-    @_cpu_via_gloo
+    @cpu_via_gloo
     @prof.profiled("nccl:broadcast", "broadcast", 0)
     def broadcast(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
         for t in tensors:
-            elem = _flat(t)
+            elem = flat(t)
             mine = self._comm.rank == root
-            self._run(s.CollOp.BROADCAST, [elem], elem.numel(), elem.dtype, None if mine else _into(elem),
-                      root=root, device=_gpu(t), stage=mine, owner=t)
+            self._run(Call(s.CollOp.BROADCAST, [elem], elem.numel(), elem.dtype, None if mine else into(elem),
+                           root=root, device=gpu_of(t), stage=mine, owner=t))
         return self._done(tensors)
 
     @c10d_forms
-    @_cpu_via_gloo
+    @cpu_via_gloo
     @prof.profiled("nccl:all_gather", "all_gather", 1, 0)
     def allgather(self, output_lists, inputs, opts=None):
         for outs, t in zip(output_lists, inputs):
-            elem = _flat(t)
+            elem = flat(t)
             n = elem.numel()
             if any(o.numel() != n for o in outs):
                 # uneven sizes: one broadcast per rank, as ProcessGroupNCCL does
                 for k, o in enumerate(outs):
-                    buf = elem if k == self._comm.rank else _flat(o)
-                    self._run(s.CollOp.BROADCAST, [buf], buf.numel(), buf.dtype, _into(_flat(o)), root=k,
-                              device=_gpu(t), stage=k == self._comm.rank)
+                    buf = elem if k == self._comm.rank else flat(o)
+                    self._run(Call(s.CollOp.BROADCAST, [buf], buf.numel(), buf.dtype, into(flat(o)), root=k,
+                                   device=gpu_of(t), stage=k == self._comm.rank))
                 continue
-            self._run(s.CollOp.ALLGATHER, [elem], n * self._comm.size, elem.dtype, _into_each([_flat(o) for o in outs]),
-                      device=_gpu(t))
+            self._run(Call(s.CollOp.ALLGATHER, [elem], n * self._comm.size, elem.dtype,
+                           into_each([flat(o) for o in outs]), device=gpu_of(t)))
         return self._done(output_lists)
 
-    @_cpu_via_gloo
+    @cpu_via_gloo
     @prof.profiled("nccl:_all_gather_base", "_allgather_base", 1, 0)
     def _allgather_base(self, output, input, opts=None):
-        elem = _flat(input)
-        self._run(s.CollOp.ALLGATHER, [elem], output.numel(), elem.dtype, _into(_flat(output)), device=_gpu(input))
+        elem = flat(input)
+        self._run(Call(s.CollOp.ALLGATHER, [elem], output.numel(), elem.dtype, into(flat(output)),
+                       device=gpu_of(input)))
         return self._done([output])
 
-    @_cpu_via_gloo
+    @cpu_via_gloo
     @prof.profiled("nccl:_reduce_scatter_base", "_reduce_scatter_base", 1, 0)
     def _reduce_scatter_base(self, output, input, opts=None):
-        elem = _flat(input)
-        self._run(s.CollOp.REDUCE_SCATTER, [elem], output.numel(), elem.dtype, _into(_flat(output)),
-                  device=_gpu(input), **_reduction(opts))
+        elem = flat(input)
+        self._run(Call(s.CollOp.REDUCE_SCATTER, [elem], output.numel(), elem.dtype, into(flat(output)),
+                       device=gpu_of(input), **reduction(opts)))
         return self._done([output])
 
     @c10d_forms
-    @_cpu_via_gloo
+    @cpu_via_gloo
     @prof.profiled("nccl:reduce", "reduce", 0)
     def reduce(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
         for t in tensors:
-            elem = _flat(t)
+            elem = flat(t)
             mine = self._comm.rank == root
             # NCCL leaves non-root buffers as they were: only the root receives
-            self._run(s.CollOp.REDUCE, [elem], elem.numel() if mine else 0, elem.dtype,
-                      _into(elem) if mine else None, root=root, device=_gpu(t), **_reduction(opts))
+            self._run(Call(s.CollOp.REDUCE, [elem], elem.numel() if mine else 0, elem.dtype,
+                           into(elem) if mine else None, root=root, device=gpu_of(t), **reduction(opts)))
         return self._done(tensors)
 
     @c10d_forms
-    @_cpu_via_gloo
+    @cpu_via_gloo
     @prof.profiled("nccl:gather", "gather", 1, 0)
     def gather(self, output_lists, inputs, opts=None):
         root = opts.rootRank if opts is not None else 0
-        elem = _flat(inputs[0])
-        outs = [_flat(o) for o in output_lists[0]] if output_lists else []
+        elem = flat(inputs[0])
+        outs = [flat(o) for o in output_lists[0]] if output_lists else []
         if outs and (len(outs) != self._comm.size or any(o.numel() != elem.numel() for o in outs)):
             raise ValueError("Tensor list output of gather must match number of collective participants "
                              "and each tensor the input's size")
-        self._run(s.CollOp.GATHER, [elem], elem.numel() * self._comm.size if outs else 0, elem.dtype,
-                  _into_each(outs) if outs else None, root=root, device=_gpu(inputs[0]))
+        self._run(Call(s.CollOp.GATHER, [elem], elem.numel() * self._comm.size if outs else 0, elem.dtype,
+                       into_each(outs) if outs else None, root=root, device=gpu_of(inputs[0])))
         return self._done(output_lists)
 
     @c10d_forms
-    @_cpu_via_gloo
+    @cpu_via_gloo
     @prof.profiled("nccl:scatter", "scatter", 1, 0)
     def scatter(self, outputs, input_lists, opts=None):
         root = opts.rootRank if opts is not None else 0
-        out = _flat(outputs[0])
-        sources = [_flat(t) for t in input_lists[0]] if input_lists else []
+        out = flat(outputs[0])
+        sources = [flat(t) for t in input_lists[0]] if input_lists else []
         if sources and (len(sources) != self._comm.size or any(t.numel() != out.numel() for t in sources)):
             raise ValueError("Tensor list input to scatter must match number of collective participants "
                              "and each tensor the output's size")
         # numel is the per-rank share, the same on every rank; only the root stages its list
-        self._run(s.CollOp.SCATTER, sources, out.numel(), out.dtype, _into(out), root=root,
-                  device=_gpu(outputs[0]), stage=bool(sources), numel=out.numel())
+        self._run(Call(s.CollOp.SCATTER, sources, out.numel(), out.dtype, into(out), root=root,
+                       device=gpu_of(outputs[0]), stage=bool(sources), numel=out.numel()))
         return self._done(outputs)
 
     @c10d_forms
-    @_cpu_via_gloo
+    @cpu_via_gloo
     @prof.profiled("nccl:reduce_scatter", "reduce_scatter", 1, 0)
     def reduce_scatter(self, outputs, input_lists, opts=None):
-        out = _flat(outputs[0])
-        parts = [_flat(t) for t in input_lists[0]]
-        red = _reduction(opts)
+        out = flat(outputs[0])
+        parts = [flat(t) for t in input_lists[0]]
+        red = reduction(opts)
         if any(p.numel() != out.numel() for p in parts):
             # uneven parts: one reduce per destination rank, as ProcessGroupNCCL does
             for k, part in enumerate(parts):
-                self._run(s.CollOp.REDUCE, [part], part.numel() if k == self._comm.rank else 0, part.dtype,
-                          _into(out) if k == self._comm.rank else None, root=k, device=_gpu(outputs[0]), **red)
+                self._run(Call(s.CollOp.REDUCE, [part], part.numel() if k == self._comm.rank else 0, part.dtype,
+                               into(out) if k == self._comm.rank else None, root=k, device=gpu_of(outputs[0]), **red))
             return self._done(outputs)
-        self._run(s.CollOp.REDUCE_SCATTER, parts, out.numel(), out.dtype, _into(out), device=_gpu(outputs[0]),
-                  **red)
+        self._run(Call(s.CollOp.REDUCE_SCATTER, parts, out.numel(), out.dtype, into(out), device=gpu_of(outputs[0]),
+                       **red))
         return self._done(outputs)
 
-    @_cpu_via_gloo
+    @cpu_via_gloo
     @prof.profiled("nccl:all_to_all", "all_to_all", 1, 0)
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
-        src, dst = _flat(input), _flat(output)
+        src, dst = flat(input), flat(output)
         for t, sizes, what in ((src, input_split_sizes, "input"), (dst, output_split_sizes, "output")):
             rows = t.size(0) if t.dim() else 1
             if sizes and (len(sizes) != self._comm.size or sum(sizes) != rows):
@@ -429,47 +320,47 @@ class MirageProcessGroup(dist.ProcessGroup):
         # torch counts splits in rows of dim 0; the daemon in elements
         row = src[0].numel() if src.dim() > 0 and src.size(0) else 1
         splits = [n * row for n in input_split_sizes] if input_split_sizes else [src.numel() // self._comm.size] * self._comm.size
-        self._run(s.CollOp.ALLTOALL, [src], dst.numel(), src.dtype, _into(dst), device=_gpu(input), splits=splits)
+        self._run(Call(s.CollOp.ALLTOALL, [src], dst.numel(), src.dtype, into(dst), device=gpu_of(input), splits=splits))
         return self._done([output])
 
     all_to_all_single = alltoall_base
 
-    @_cpu_via_gloo
+    @cpu_via_gloo
     @prof.profiled("nccl:all_to_all", "all_to_all", 1, 0)
     def alltoall(self, outputs, inputs, opts=None):
-        srcs = [_flat(t) for t in inputs]
-        outs = [_flat(t) for t in outputs]
-        self._run(s.CollOp.ALLTOALL, srcs, sum(o.numel() for o in outs), srcs[0].dtype, _into_each(outs),
-                  device=_gpu(inputs[0]), splits=[t.numel() for t in srcs])
+        srcs = [flat(t) for t in inputs]
+        outs = [flat(t) for t in outputs]
+        self._run(Call(s.CollOp.ALLTOALL, srcs, sum(o.numel() for o in outs), srcs[0].dtype, into_each(outs),
+                       device=gpu_of(inputs[0]), splits=[t.numel() for t in srcs]))
         return self._done(outputs)
 
-    @_cpu_via_gloo
+    @cpu_via_gloo
     @prof.profiled("nccl:all_reduce_coalesced", "allreduce_coalesced", 0)
     def allreduce_coalesced(self, tensors, opts=None):
         # one flat all-reduce over the concatenation, as NCCL's grouped calls amount to
-        elems = [_flat(t) for t in tensors]
-        self._run(s.CollOp.ALLREDUCE, elems, sum(e.numel() for e in elems), elems[0].dtype, _into_each(elems),
-                  device=_gpu(tensors[0]), **_reduction(opts))
+        elems = [flat(t) for t in tensors]
+        self._run(Call(s.CollOp.ALLREDUCE, elems, sum(e.numel() for e in elems), elems[0].dtype, into_each(elems),
+                       device=gpu_of(tensors[0]), **reduction(opts)))
         return self._done(tensors)
 
     # the coalesced tensor forms (functional collectives, DTensor, FSDP2): one collective per pair,
     # in order, as NCCL's grouped calls amount to
-    @_cpu_via_gloo
+    @cpu_via_gloo
     @prof.profiled("nccl:all_gather_into_tensor_coalesced", "allgather_into_tensor_coalesced", 1, 0)
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         for out, inp in zip(outputs, inputs):
-            elem = _flat(inp)
-            self._run(s.CollOp.ALLGATHER, [elem], out.numel(), elem.dtype, _into(_flat(out)), device=_gpu(inp))
+            elem = flat(inp)
+            self._run(Call(s.CollOp.ALLGATHER, [elem], out.numel(), elem.dtype, into(flat(out)), device=gpu_of(inp)))
         return self._done(outputs)
 
-    @_cpu_via_gloo
+    @cpu_via_gloo
     @prof.profiled("nccl:reduce_scatter_tensor_coalesced", "reduce_scatter_tensor_coalesced", 1, 0)
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
-        red = _reduction(opts)
+        red = reduction(opts)
         for out, inp in zip(outputs, inputs):
-            elem = _flat(inp)
-            self._run(s.CollOp.REDUCE_SCATTER, [elem], out.numel(), elem.dtype, _into(_flat(out)),
-                      device=_gpu(inp), **red)
+            elem = flat(inp)
+            self._run(Call(s.CollOp.REDUCE_SCATTER, [elem], out.numel(), elem.dtype, into(flat(out)),
+                           device=gpu_of(inp), **red))
         return self._done(outputs)
 
     # -- point to point: asynchronous, each message on its own
@@ -477,17 +368,17 @@ class MirageProcessGroup(dist.ProcessGroup):
         if self._in_process:
             raise dist.DistBackendError(IN_PROCESS_MESSAGE)
         graphs.refuse_collective()
-        elem = _flat(tensor)
+        elem = flat(tensor)
         key = (op, peer)
         self._p2p_seq[key] = n = self._p2p_seq.get(key, 0) + 1
         request = s.Collective(
             comm=self._comm.id, seq=n, rank=self._comm.rank, op=op, dtype=str(elem.dtype).removeprefix("torch."),
-            numel=elem.numel(), out_numel=elem.numel(), device=dev.STATE.physical[_gpu(tensor)], peer=peer,
+            numel=elem.numel(), out_numel=elem.numel(), device=RUNTIME.device.physical[gpu_of(tensor)], peer=peer,
             site=call_site(),
-            t_ready=0.0 if clock.CLOCK is None else clock.CLOCK.collective_ready(_gpu(tensor), self._comm.id),
+            t_ready=0.0 if RUNTIME.clock is None else RUNTIME.clock.collective_ready(gpu_of(tensor), self._comm.id),
         )
-        deliver = None if op is s.CollOp.SEND else _into(elem)
-        return self._paths.main.post_p2p(request, elem, deliver, _gpu(tensor), tensor)
+        deliver = None if op is s.CollOp.SEND else into(elem)
+        return self._paths.main.post_p2p(request, elem, deliver, gpu_of(tensor), tensor)
 
     @prof.profiled("nccl:send {rank}->{peer}", "send", 0)
     def send(self, tensors, dstRank, tag=0):
@@ -504,5 +395,5 @@ class MirageProcessGroup(dist.ProcessGroup):
     @c10d_forms
     @prof.profiled("nccl:all_reduce", "barrier", 1)
     def barrier(self, opts=None):
-        self._run(s.CollOp.BARRIER, [], 0, torch.float32)
+        self._run(Call(s.CollOp.BARRIER, [], 0, torch.float32))
         return self._done([])

@@ -25,6 +25,7 @@ from urllib.parse import parse_qs, urlparse
 
 import torch.distributed.distributed_c10d as c10d
 
+from shim.rank.runtime import RUNTIME
 from shim.transport.call_site import call_site
 from wire import schema as s
 
@@ -47,7 +48,7 @@ def install() -> None:
 
     @functools.wraps(original)
     def init_process_group(*args, **kwargs):
-        if os.environ.get("MIRAGE_EXEC") == "1":
+        if RUNTIME.settings.exec_probe:
             raise RuntimeError(EXEC_REFUSAL)
         try:
             bound = signature.bind(*args, **kwargs)
@@ -56,13 +57,12 @@ def install() -> None:
         bound.apply_defaults()
         a = bound.arguments
         found = _world_of(a["init_method"], a["store"], a["rank"], a["world_size"])
-        if found is None or os.environ.get("MIRAGE_IN_PROCESS") == "1" or "MIRAGE_ENDPOINT" not in os.environ:
+        if found is None or not RUNTIME.settings.has_daemon:
             return original(*args, **kwargs)
         address, rank, size = found
         world = f"{address} #{next(_formed.setdefault(address, itertools.count(1)))}"
         _claim(rank)
-        from shim.rank.client import client
-
+        client = RUNTIME.client
         note = functools.partial(s.WorldFormation, world=world, rank=rank, size=size, pid=os.getpid(),
                                  host=socket.gethostname(),
                                  site=call_site())
@@ -113,13 +113,12 @@ def _claim(rank: int) -> None:
     from shim.comm import registration
     from shim.rank.output import arm_stack_dumps, capture
 
-    pid = str(os.getpid())
-    if registration.RANK == rank and os.environ.get("MIRAGE_RANK_PID") == pid:
+    if RUNTIME.has_claimed(rank):
         return
-    registration.RANK = rank
-    os.environ["MIRAGE_RANK_PID"] = pid  # its own children (DataLoader workers) are its descendants
+    RUNTIME.claim(rank)
+    os.environ["MIRAGE_RANK_PID"] = str(os.getpid())  # its own children (DataLoader workers) are its descendants
     os.environ[registration.CLAIMED] = str(rank)
-    run_dir = os.environ["MIRAGE_RUN_DIR"]
+    run_dir = RUNTIME.settings.run_dir
     capture(run_dir, rank)
     arm_stack_dumps(run_dir, rank)
     registration.register_rank(rank)

@@ -38,10 +38,9 @@ from pathlib import Path
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from shim.clock import clock
 from shim.clock import compiled as compiled_clock
-from shim.device import state as dev
 from shim.import_hooks import after_import
+from shim.rank.runtime import RUNTIME
 from shim.tensor.wrapper import BACKEND, MirageTensor, _new
 
 #: the environment variable that keeps ``torch.compile`` eager (its one value, ``eager``)
@@ -104,7 +103,7 @@ def gpu_of(d) -> int | None:
         index = d.index if d.index else torch.cuda.current_device()  # C++ names every emulated GPU mirage:0
     else:
         return None
-    if not 0 <= index < len(dev.STATE.physical):
+    if not 0 <= index < len(RUNTIME.device.physical):
         _graph_break()  # run eagerly, where the runtime's "invalid device ordinal" is raised
     return index
 
@@ -205,13 +204,12 @@ def _tell_daemon(compiling: bool) -> None:
     no hang (emulator/hang.py). Before a world forms there is nothing to wait on, and nothing is told."""
     import torch.distributed as dist
 
-    if os.environ.get("MIRAGE_IN_PROCESS") == "1" or not dist.is_available() or not dist.is_initialized():
+    if not RUNTIME.settings.has_daemon or not dist.is_available() or not dist.is_initialized():
         return
-    from shim.rank.client import client, host_client
     from wire.schema import CompileState
 
     msg = CompileState(rank=dist.get_rank(), pid=os.getpid(), compiling=compiling)
-    head, host = client(), host_client()
+    head, host = RUNTIME.client(), RUNTIME.host_client()
     for daemon in (head,) if host is None or host is head else (head, host):
         try:
             daemon.request(msg, timeout_s=5.0)
@@ -254,7 +252,7 @@ def _prepare_dynamo() -> None:
             # CudaMode.__torch_function__ would be compiled for the op it first saw and misanswer others
             skip_code(code)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = _cache_dir(sources)
-    if clock.ENABLED:
+    if RUNTIME.settings.clocked:
         compiled_clock.install()
     torch._dynamo.callback_handler.register_start_callback(lambda _args: _tell_daemon(compiling=True))
     torch._dynamo.callback_handler.register_end_callback(lambda _args: _tell_daemon(compiling=False))
@@ -276,7 +274,7 @@ def install() -> None:
         # what inductor asks before CUDA graphs (mode="reduce-overhead", "max-autotune"), which it then
         # skips for a graph over host tensors, as for any CPU graph
         torch._C._cuda_cudaCachingAllocator_is_enabled = lambda: True
-    setting = os.environ.get(ENV, "")
+    setting = RUNTIME.settings.compile
     if setting == "eager":
         torch.compile = eager_compile  # nn.Module.compile calls it too
         return

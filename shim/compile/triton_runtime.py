@@ -131,9 +131,10 @@ def _configure() -> None:
 
 
 def _profile():
-    from shim.device.state import STATE
+    from shim.device import state  # noqa: F401 - it registers the device state on the runtime
+    from shim.rank.runtime import RUNTIME
 
-    return STATE.profile
+    return RUNTIME.device.profile
 
 
 class _DeviceUtils:

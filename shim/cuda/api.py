@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
-from shim.clock import clock
 from shim.cuda import graphs, tunable
 from shim.device import rng
 from shim.device import state as dev
 from shim.memory.allocator import ALLOCATOR
+from shim.rank.runtime import RUNTIME
 
 HIP_VERSION = "6.4.43482-0f2d60242"
 #: MIOpen 3.4 (ROCm 6.4), which ROCm builds report as torch.backends.cudnn.version().
@@ -38,13 +38,13 @@ NCCL_VERSION = (2, 22, 3)
 def _index(d=None) -> int:
     """Normalise the many ways torch names a device to an emulated ordinal."""
     if d is None:
-        return dev.STATE.current
+        return RUNTIME.device.current
     if isinstance(d, str):
         d = torch.device(d)
     if isinstance(d, torch.device):
         if d.type not in ("cuda", "mirage"):
             raise ValueError(f"Expected a cuda device, but got: {d}")
-        return dev.STATE.current if d.index is None else dev.check_index(d.index)
+        return RUNTIME.device.current if d.index is None else dev.check_index(d.index)
     return dev.check_index(int(d))
 
 
@@ -82,8 +82,8 @@ class DeviceProperties:
 
 def get_device_properties(device=None) -> DeviceProperties:
     i = _index(device)
-    node_gpu = dev.STATE.physical[i]  # identity follows the GPU, not the visible ordinal
-    p = dev.STATE.profile
+    node_gpu = RUNTIME.device.physical[i]  # identity follows the GPU, not the visible ordinal
+    p = RUNTIME.device.profile
     return DeviceProperties(
         name=p.product,
         major=p.major,
@@ -100,13 +100,13 @@ def get_device_properties(device=None) -> DeviceProperties:
 
 
 def set_device(device) -> None:
-    dev.STATE.current = _index(device)
+    RUNTIME.device.current = _index(device)
     dev.initialize()
 
 
 def current_device() -> int:
     dev.initialize()
-    return dev.STATE.current
+    return RUNTIME.device.current
 
 
 def _run_queued_calls() -> None:
@@ -126,12 +126,12 @@ class device:  # noqa: N801 - torch's name
         self.prev_idx = -1
 
     def __enter__(self):
-        self.prev_idx = dev.STATE.current
+        self.prev_idx = RUNTIME.device.current
         if self.idx >= 0:
-            dev.STATE.current = self.idx
+            RUNTIME.device.current = self.idx
 
     def __exit__(self, *exc):
-        dev.STATE.current = self.prev_idx
+        RUNTIME.device.current = self.prev_idx
         return False
 
 
@@ -184,12 +184,13 @@ class Stream(torch._C.Stream):
         return 0, -1
 
     def wait_stream(self, stream) -> None:
-        if clock.CLOCK is not None:  # clocked mode: later kernels here start after that stream's
-            clock.CLOCK.stream_wait(self._gpu, self.stream_id, clock.CLOCK.stream_time(stream._gpu, stream.stream_id))
+        clock = RUNTIME.clock
+        if clock is not None:  # clocked mode: later kernels here start after that stream's
+            clock.stream_wait(self._gpu, self.stream_id, clock.stream_time(stream._gpu, stream.stream_id))
 
     def wait_event(self, event) -> None:
-        if clock.CLOCK is not None and event._emu is not None:
-            clock.CLOCK.stream_wait(self._gpu, self.stream_id, event._emu)
+        if RUNTIME.clock is not None and event._emu is not None:
+            RUNTIME.clock.stream_wait(self._gpu, self.stream_id, event._emu)
 
     def record_event(self, event=None):
         event = event or Event()
@@ -200,10 +201,10 @@ class Stream(torch._C.Stream):
         return True
 
     def synchronize(self) -> None:
-        if dev.STATE.sync_debug:  # a stream's synchronize is one set_sync_debug_mode flags
+        if RUNTIME.device.sync_debug:  # a stream's synchronize is one set_sync_debug_mode flags
             dev.synchronizing()
-        if clock.CLOCK is not None:
-            clock.CLOCK.host_wait(clock.CLOCK.stream_time(self._gpu, self.stream_id))
+        if RUNTIME.clock is not None:
+            RUNTIME.clock.host_wait(RUNTIME.clock.stream_time(self._gpu, self.stream_id))
 
     def is_capturing(self) -> bool:
         return graphs.capturing()  # a capture is the capturing thread's (shim/cuda/graphs.py)
@@ -265,26 +266,26 @@ class Event(torch._C.Event):
         stream = stream or current_stream(self._gpu)
         self._gpu = stream.device_index
         self._t = time.perf_counter()
-        if clock.CLOCK is not None:
-            self._emu = clock.CLOCK.stream_time(stream._gpu, stream.stream_id)
+        if RUNTIME.clock is not None:
+            self._emu = RUNTIME.clock.stream_time(stream._gpu, stream.stream_id)
 
     def wait(self, stream=None) -> None:  # type: ignore[override]
-        if clock.CLOCK is not None:
+        if RUNTIME.clock is not None:
             (stream or current_stream(self._gpu)).wait_event(self)
 
     def query(self) -> bool:  # type: ignore[override]
         return True
 
     def synchronize(self) -> None:  # type: ignore[override]
-        if clock.CLOCK is not None and self._emu is not None:
-            clock.CLOCK.host_wait(self._emu)
+        if RUNTIME.clock is not None and self._emu is not None:
+            RUNTIME.clock.host_wait(self._emu)
 
     def elapsed_time(self, end_event) -> float:  # type: ignore[override]
         if not (self.enable_timing and end_event.enable_timing):
             raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
         if self._t is None or end_event._t is None:
             raise RuntimeError("Both events must be recorded before calculating elapsed time.")
-        if clock.CLOCK is not None:
+        if RUNTIME.clock is not None:
             return (end_event._emu - self._emu) * 1000.0
         return (end_event._t - self._t) * 1000.0
 
@@ -369,15 +370,15 @@ class stream(contextlib.AbstractContextManager):  # noqa: N801 - torch's name
 
     def __enter__(self):
         if self.stream is not None:
-            self._prev = (current_stream(self.stream.device_index), dev.STATE.current)
-            dev.STATE.current = self.stream.device_index
+            self._prev = (current_stream(self.stream.device_index), RUNTIME.device.current)
+            RUNTIME.device.current = self.stream.device_index
             set_stream(self.stream)
         return self.stream
 
     def __exit__(self, *exc):
         if self._prev is not None:
             set_stream(self._prev[0])
-            dev.STATE.current = self._prev[1]
+            RUNTIME.device.current = self._prev[1]
         return False
 
 
@@ -385,8 +386,8 @@ def synchronize(device=None) -> None:
     """Wait for the device's kernels: they ran eagerly, so only the device is checked, as the runtime does
     (in clocked mode the host's clock also waits for the device's streams)."""
     i = _index(device)
-    if clock.CLOCK is not None:
-        clock.CLOCK.host_wait(clock.CLOCK.device_time(i))
+    if RUNTIME.clock is not None:
+        RUNTIME.clock.host_wait(RUNTIME.clock.device_time(i))
 
 
 class _Smi:
@@ -430,12 +431,12 @@ class _Smi:
 
     def power_draw(self, device=None) -> int:
         """Socket power in W: the ROCm path reports amd-smi's ``average_socket_power``, which is in watts."""
-        board = dev.STATE.profile.board_power_w
+        board = RUNTIME.device.profile.board_power_w
         return round(board * (self.IDLE_POWER + (1 - self.IDLE_POWER) * self.utilization(device) / 100))
 
     def clock_rate(self, device=None) -> int:
         """The graphics (engine) clock in MHz."""
-        peak = dev.STATE.profile.clock_mhz
+        peak = RUNTIME.device.profile.clock_mhz
         return round(peak * (self.IDLE_CLOCK + (1 - self.IDLE_CLOCK) * self.utilization(device) / 100))
 
     def device_memory_used(self, device=None) -> int:
@@ -468,7 +469,7 @@ def _set_sync_debug_mode(mode: int) -> None:
     (``shim/tensor/wrapper.py``'s ``_synchronizes``, ``.tolist()``, ``Stream.synchronize()``)."""
     if mode not in (0, 1, 2):
         raise RuntimeError("invalid value of debug_mode, expected one of 0, 1, 2")
-    dev.STATE.sync_debug = mode
+    RUNTIME.device.sync_debug = mode
 
 
 def _record_history_legacy(enabled: bool, record_context: bool = True, trace_alloc_max_entries: int = 1,
@@ -508,7 +509,7 @@ def _install_memory() -> None:
         "_cuda_getAllocatorBackend": lambda: "native",  # PYTORCH_CUDA_ALLOC_CONF's default backend
         "_cuda_ipc_collect": lambda: None,  # no CUDA IPC handles: nothing to release
         "_cuda_set_sync_debug_mode": _set_sync_debug_mode,
-        "_cuda_get_sync_debug_mode": lambda: dev.STATE.sync_debug,
+        "_cuda_get_sync_debug_mode": lambda: RUNTIME.device.sync_debug,
         # the memory history and snapshots (shim/memory/history.py)
         "_cuda_record_memory_history": ALLOCATOR.record_history,
         "_cuda_record_memory_history_legacy": _record_history_legacy,
@@ -573,15 +574,15 @@ def install() -> None:
     """Replace the CPU build's ``torch.cuda`` answers with the emulated GPUs'."""
     import torch.cuda.nvtx
 
-    if clock.CLOCK is not None:
-        clock.CLOCK.stream_of = _current_stream_id
+    if RUNTIME.clock is not None:
+        RUNTIME.clock.stream_of = _current_stream_id
 
     torch.cuda.nvtx._nvtx = _Roctx()
     c = torch.cuda
-    count = dev.STATE.count
+    count = RUNTIME.device.count
     replacements = {
         "is_available": lambda: count > 0,  # CUDA_VISIBLE_DEVICES="" hides every GPU
-        "is_initialized": lambda: dev.STATE.initialized,
+        "is_initialized": lambda: RUNTIME.device.initialized,
         "init": dev.initialize,
         "_lazy_init": dev.initialize,
         "device_count": lambda: count,
@@ -591,7 +592,7 @@ def install() -> None:
         "get_device_name": lambda d=None: get_device_properties(d).name,
         "get_device_capability": lambda d=None: (get_device_properties(d).major, get_device_properties(d).minor),
         "get_device_properties": get_device_properties,
-        "get_arch_list": lambda: [dev.STATE.profile.gfx],
+        "get_arch_list": lambda: [RUNTIME.device.profile.gfx],
         "is_bf16_supported": lambda including_emulation=True: True,
         "synchronize": synchronize,
         "Stream": Stream,
@@ -638,7 +639,7 @@ def install() -> None:
         "is_available": lambda: count > 0,
         "current_accelerator": lambda check_available=False: torch.device("cuda"),
         "device_count": lambda: count,
-        "current_device_index": lambda: dev.STATE.current,
+        "current_device_index": lambda: RUNTIME.device.current,
         "set_device_index": set_device,
         # functions of their own, not torch.cuda's: dynamo keys its handlers by function and registers both
         "synchronize": lambda device=None: synchronize(device),

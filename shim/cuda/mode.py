@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 from torch.overrides import TorchFunctionMode
 
-from shim.clock import clock
 from shim.compile import torch_compile
 from shim.device import state as dev
 from shim.memory import pinned
 from shim.ops import attention
+from shim.rank.runtime import RUNTIME
 from shim.tensor import params
 from shim.tensor.wrapper import BACKEND, BACKEND_DEVICE, MirageTensor
 
@@ -41,9 +41,9 @@ def _cuda_index(d) -> int | None:
         # C++ names every emulated GPU mirage:0 (e.g. torch's grouping of tensors by device in
         # clip_grad_norm_ and the foreach optimizers): the GPU meant is the current one. Another
         # index was the program's: torch.device(1) names the accelerator's type, cuda on a GPU
-        return dev.check_index(d.index) if d.index else dev.STATE.current
+        return dev.check_index(d.index) if d.index else RUNTIME.device.current
     if isinstance(d, torch.device) and d.type == "cuda":
-        return dev.check_index(dev.STATE.current if d.index is None else d.index)
+        return dev.check_index(RUNTIME.device.current if d.index is None else d.index)
     return None
 
 
@@ -56,8 +56,8 @@ def _move(t: torch.Tensor, gpu: int, dtype, copy: bool, memory_format) -> torch.
     kw = {"dtype": dtype or t.dtype, "device": BACKEND_DEVICE}
     if memory_format is not None:
         kw["memory_format"] = memory_format
-    if clock.CLOCK is not None and not isinstance(t, MirageTensor):  # clocked mode: a host-to-device copy
-        clock.CLOCK.copy_to_device(gpu, t.numel() * t.element_size())
+    if RUNTIME.clock is not None and not isinstance(t, MirageTensor):  # clocked mode: a host-to-device copy
+        RUNTIME.clock.copy_to_device(gpu, t.numel() * t.element_size())
     with dev.allocating_on(gpu):
         return _aten._to_copy.default(t, **kw)
 
@@ -100,7 +100,8 @@ class CudaMode(TorchFunctionMode):
             return func(*args, **kwargs)
         if func is _CUDA:
             d = args[1] if len(args) > 1 else kwargs.get("device")
-            gpu = dev.STATE.current if d is None else (_cuda_index(d) if not isinstance(d, int) else dev.check_index(d))
+            gpu = (RUNTIME.device.current if d is None
+                   else _cuda_index(d) if not isinstance(d, int) else dev.check_index(d))
             return _move(args[0], gpu, None, False, kwargs.get("memory_format"))
         if func is _COMPATIBLE:  # Module._apply asks before it moves a parameter with .data =
             return params.has_compatible_shallow_copy_type(*args, **kwargs)

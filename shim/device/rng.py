@@ -27,6 +27,7 @@ import threading
 import torch
 
 from shim.device import state as dev
+from shim.rank.runtime import RUNTIME
 
 NO_GENERATOR = -1
 #: op -> position of its ``generator`` argument (NO_GENERATOR: it takes none), filled as ops are seen
@@ -126,7 +127,7 @@ class DeviceGenerator(torch._C.Generator):
 
 
 def _make_default_generators() -> tuple[DeviceGenerator, ...]:
-    return tuple(DeviceGenerator(i) for i in range(max(dev.STATE.count, 1)))
+    return tuple(DeviceGenerator(i) for i in range(max(RUNTIME.device.count, 1)))
 
 
 DEFAULT_GENERATORS = _make_default_generators()
@@ -232,7 +233,7 @@ class Generator(torch._C.Generator, metaclass=_GeneratorType):
         d = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
         if d.type not in ("cuda", dev.BACKEND):
             return torch._C.Generator(d)
-        return DeviceGenerator(dev.check_index(dev.STATE.current if d.index is None else d.index))
+        return DeviceGenerator(dev.check_index(RUNTIME.device.current if d.index is None else d.index))
 
 
 def install() -> None:
@@ -241,7 +242,7 @@ def install() -> None:
     r = torch.cuda.random
     # torch.cuda.random bound these names at import; it must see the emulated answers
     r._lazy_init = dev.initialize
-    r.is_initialized = lambda: dev.STATE.initialized
-    r.current_device = lambda: dev.STATE.current
-    r.device_count = lambda: dev.STATE.count
+    r.is_initialized = lambda: RUNTIME.device.initialized
+    r.current_device = lambda: RUNTIME.device.current
+    r.device_count = lambda: RUNTIME.device.count
     torch.Generator = Generator

@@ -1,6 +1,9 @@
 """The emulated GPUs as the rank sees them: how many, which is current, what they are.
 
-Read from the ``MIRAGE_*`` variables the session sets. The current device is
+Made from the rank's settings (``MIRAGE_PROFILE``, ``MIRAGE_GPUS_PER_NODE``) and
+the ``*_VISIBLE_DEVICES`` variables when this module loads, and kept by the
+rank's runtime (``RUNTIME.device``, ``shim.rank.runtime``), which every layer
+reaches; its class stays in this layer. The current device is
 the main thread's for every thread that never chose one, and a thread's own
 once it has (``set_device``, ``with torch.cuda.device(i)``), as CUDA's is:
 ``nn.DataParallel`` runs each replica in a thread that moves to its GPU, and
@@ -17,6 +20,8 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from shim.rank.runtime import RUNTIME
+from shim.rank.settings import Settings
 from wire.profiles import Profile, load_profile
 
 #: The name the PrivateUse1 backend is registered under (C++ sees ``mirage:0``).
@@ -81,13 +86,14 @@ def visible_devices(gpus: int, env: dict[str, str]) -> list[int]:
     return visible
 
 
-def _from_env() -> DeviceState:
-    profile = load_profile(os.environ.get("MIRAGE_PROFILE", "mi350x"))
-    gpus = int(os.environ.get("MIRAGE_GPUS_PER_NODE", "1"))
-    return DeviceState(profile=profile, physical=visible_devices(gpus, dict(os.environ)))
+def _from_settings(settings: Settings) -> DeviceState:
+    profile = load_profile(settings.profile)
+    # the visibility variables are CUDA's and HIP's: read as the process starts, as their runtimes do
+    return DeviceState(profile=profile, physical=visible_devices(settings.gpus_per_node, dict(os.environ)))
 
 
-STATE = _from_env()
+if RUNTIME.device is None:
+    RUNTIME.device = _from_settings(RUNTIME.settings)
 #: run once, on the first use of a GPU (torch.cuda's queued lazy calls, e.g. seeds set before it)
 ON_INITIALIZE: list = []
 
@@ -95,17 +101,17 @@ ON_INITIALIZE: list = []
 def synchronizing() -> None:
     """An operation that waits for the GPU ran while ``set_sync_debug_mode`` asks to hear of it: warn or raise,
     with c10's words (``warn_or_error_on_sync``)."""
-    if STATE.sync_debug == 2:
+    if RUNTIME.device.sync_debug == 2:
         raise RuntimeError("called a synchronizing CUDA operation")
-    if STATE.sync_debug == 1:
+    if RUNTIME.device.sync_debug == 1:
         warnings.warn("called a synchronizing CUDA operation", stacklevel=3)
 
 
 def initialize() -> None:
     """The process's first use of a GPU: from now on ``torch.cuda.is_initialized()`` is True."""
-    if STATE.initialized:
+    if RUNTIME.device.initialized:
         return
-    STATE.initialized = True
+    RUNTIME.device.initialized = True
     for hook in ON_INITIALIZE:
         hook()
 
@@ -121,7 +127,7 @@ _alloc = _Allocating()
 
 def check_index(index: int) -> int:
     """Validate a device ordinal the way the HIP runtime does."""
-    if not 0 <= index < STATE.count:
+    if not 0 <= index < RUNTIME.device.count:
         raise RuntimeError(
             "HIP error: invalid device ordinal\n"
             "HIP kernel errors might be asynchronously reported at some other API call, "
@@ -139,7 +145,7 @@ def allocation_override() -> int | None:
 def allocation_device() -> int:
     """The GPU a new tensor with no GPU input lands on (override, else current)."""
     gpu = _alloc.gpu
-    return STATE.current if gpu is None else gpu
+    return RUNTIME.device.current if gpu is None else gpu
 
 
 @contextmanager

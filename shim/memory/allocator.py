@@ -23,8 +23,9 @@ import time
 import torch
 
 from shim.device import deferred
-from shim.device import state as dev
+from shim.device import state  # noqa: F401 - it sets RUNTIME.device, which ALLOCATOR is sized by
 from shim.memory import history as memory_history
+from shim.rank.runtime import RUNTIME
 
 BLOCK = 512  # the allocator rounds every request up to this
 SEGMENT = 2 << 20  # and reserves device memory in multiples of this
@@ -392,7 +393,6 @@ _reporter_pid = 0  # the process that started the reporter: a forked child inher
 def _report(timeout_s: float) -> bool:
     """Send every GPU's figures this rank touched, if they changed since the last report; False if the
     daemon could not be reached."""
-    from shim.rank.client import client
     from wire.schema import MemoryReport
 
     global _reported
@@ -406,10 +406,10 @@ def _report(timeout_s: float) -> bool:
         for i, d in enumerate(ALLOCATOR.devices):
             if not d.bytes_in[0] + d.bytes_in[1]:
                 continue  # a GPU this rank never touched
-            report = MemoryReport(rank=rank, node=node, device=dev.STATE.physical[i], allocated=d.allocated,
+            report = MemoryReport(rank=rank, node=node, device=RUNTIME.device.physical[i], allocated=d.allocated,
                                   reserved=d.reserved_total, peak=d.all_peak, total=d.capacity)
             try:
-                client().request(report, timeout_s=timeout_s)
+                RUNTIME.client().request(report, timeout_s=timeout_s)
             except Exception:
                 return False
     return True
@@ -417,8 +417,8 @@ def _report(timeout_s: float) -> bool:
 
 def capacity() -> int:
     """Each GPU's memory: ``--hbm`` (``MIRAGE_HBM_BYTES``) if given, else the profile's."""
-    override = os.environ.get("MIRAGE_HBM_BYTES")
-    return int(override) if override else dev.STATE.profile.hbm_bytes
+    override = RUNTIME.settings.hbm_bytes
+    return override if override else RUNTIME.device.profile.hbm_bytes
 
 
-ALLOCATOR = Allocator(capacity(), max(dev.STATE.count, 1))
+ALLOCATOR = Allocator(capacity(), max(RUNTIME.device.count, 1))

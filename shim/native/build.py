@@ -37,6 +37,8 @@ import sysconfig
 import time
 from pathlib import Path
 
+from shim.rank.runtime import RUNTIME
+
 SOURCE = Path(__file__).with_name("pinned_host.cpp")
 #: every library built this way (``source`` below): the pinned allocator, the backend's device guard
 #: (``shim/native/device_guard.cpp``, loaded by ``shim/cuda/engine.py``) and the fast dispatch kernels; each is
@@ -62,8 +64,8 @@ def _torch_dir() -> Path:
 
 
 def _cache_dir() -> Path:
-    if os.environ.get("MIRAGE_CACHE_DIR"):
-        return Path(os.environ["MIRAGE_CACHE_DIR"])
+    if RUNTIME.settings.cache_dir:
+        return Path(RUNTIME.settings.cache_dir)
     if sys.prefix != sys.base_prefix and os.access(sys.prefix, os.W_OK):
         return Path(sys.prefix) / "lib" / "mirage"
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mirage"

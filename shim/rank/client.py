@@ -10,7 +10,6 @@ and gets the output back as a frame after the reply.
 from __future__ import annotations
 
 import array
-import atexit
 import itertools
 import os
 import socket
@@ -86,8 +85,10 @@ class DaemonClient:
     in ``_data``.
     """
 
-    def __init__(self, endpoint: str, token: str, session: str, tag: str, daemon_pid: int = 0):
+    def __init__(self, endpoint: str, token: str, session: str, tag: str, daemon_pid: int = 0, *,
+                 server_key: str = "", run_dir: str = ""):
         self.token = token
+        self.run_dir = run_dir  # where daemon.log is, for the message when the daemon is gone
         self.daemon_pid = daemon_pid  # 0: unknown, never checked
         self.session = session
         self.tag = tag
@@ -95,7 +96,7 @@ class DaemonClient:
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         if endpoint.startswith("tcp://"):  # a daemon on another host: CURVE, as it listens (emulator.daemon)
-            curve_client(self._sock, os.environ.get("MIRAGE_SERVER_KEY", ""))
+            curve_client(self._sock, server_key)
         self._sock.connect(endpoint)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -255,7 +256,7 @@ class DaemonClient:
     def _gone(self) -> DaemonGone:
         return DaemonGone(
             f"mirage: the emulator daemon (pid {self.daemon_pid or '?'}) is gone, so no collective can complete; "
-            f"see {os.path.join(os.environ.get('MIRAGE_RUN_DIR', '.'), 'daemon.log')}"
+            f"see {os.path.join(self.run_dir or '.', 'daemon.log')}"
         )
 
     def check_daemon(self) -> None:
@@ -421,40 +422,3 @@ def arena_tensor(arena: Arena, offset: int, numel: int, dtype: torch.dtype) -> t
     if numel == 0:
         return torch.empty(0, dtype=dtype)
     return torch.frombuffer(arena.buf, dtype=dtype, count=numel, offset=offset)
-
-
-_client: DaemonClient | None = None
-_host_client: DaemonClient | None = None
-
-
-def _connect(endpoint: str, daemon_pid: str) -> DaemonClient:
-    c = DaemonClient(endpoint, os.environ["MIRAGE_TOKEN"], os.environ["MIRAGE_SESSION"],
-                     f"r{os.environ.get('RANK', '0')}-p{os.getpid()}", int(daemon_pid or 0))
-    # the last rank-to-rank collectives' requests reach the daemon, whose books would miss them
-    atexit.register(c.flush)
-    return c
-
-
-def client() -> DaemonClient:
-    """The process's daemon client, connected on first use: the session's daemon (on the head in a
-    multi-host run), which serves every communicator but those :func:`host_client` serves."""
-    global _client
-    if _client is None:
-        _client = _connect(os.environ["MIRAGE_ENDPOINT"], os.environ.get("MIRAGE_DAEMON_PID", "0"))
-    return _client
-
-
-def host_client() -> DaemonClient | None:
-    """In a multi-host run, the daemon of this host (``MIRAGE_HOST_ENDPOINT``, set by its agent), which serves
-    the communicators whose members all run here, over shared memory; None on one machine."""
-    global _host_client
-    if _host_client is None and os.environ.get("MIRAGE_HOST_ENDPOINT"):
-        _host_client = _connect(os.environ["MIRAGE_HOST_ENDPOINT"], os.environ.get("MIRAGE_HOST_DAEMON_PID", "0"))
-    return _host_client
-
-
-def flush_all() -> None:
-    """Send every client's deferred requests (rank-to-rank collectives' books)."""
-    for c in (_client, _host_client):
-        if c is not None:
-            c.flush()

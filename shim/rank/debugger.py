@@ -25,6 +25,7 @@ import pdb
 import socket
 import sys
 
+from shim.rank.runtime import RUNTIME
 from wire import schema as s
 from wire.endpoints import fast_socket_path
 
@@ -36,17 +37,17 @@ DAEMON_TIMEOUT_S = 5.0
 
 def _tell_daemon(rank: int, phase: s.DebugPhase, debugger: str, address: str, connect: str) -> None:
     """Send a ``DebuggerState`` over the daemon's fast socket and wait for its answer (no daemon: nothing)."""
-    endpoint = os.environ.get("MIRAGE_ENDPOINT", "")
-    if os.environ.get("MIRAGE_IN_PROCESS") == "1" or not endpoint.startswith("ipc://"):
+    settings = RUNTIME.settings
+    if not settings.has_daemon or not settings.endpoint.startswith("ipc://"):
         return
-    msg = s.DebuggerState(rank=rank, node=int(os.environ.get("MIRAGE_NODE_RANK", "0")), pid=os.getpid(),
+    msg = s.DebuggerState(rank=rank, node=settings.node_rank, pid=os.getpid(),
                           phase=phase, debugger=debugger, address=address, connect=connect)
-    path = fast_socket_path(endpoint)
+    path = fast_socket_path(settings.endpoint)
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
             sock.settimeout(DAEMON_TIMEOUT_S)
             sock.connect(path)
-            sock.send(s.encode(msg, token=os.environ.get("MIRAGE_TOKEN", ""), req=1))
+            sock.send(s.encode(msg, token=settings.token, req=1))
             sock.recv(s.FAST_MAX_MESSAGE_BYTES)
     except OSError as e:  # the debugger still works; only the hang detector does not know about it
         print(f"mirage: rank {rank} could not tell the daemon it is in the debugger: {e}", file=sys.stderr,
@@ -168,7 +169,7 @@ def _wait_for_debugpy(rank: int) -> None:
 def wait_for_debugger(rank: int) -> None:
     """Make this process, rank ``rank``, wait for a debugger before its program runs (pdb, or what
     ``MIRAGE_DEBUGGER`` names)."""
-    choice = os.environ.get("MIRAGE_DEBUGGER", "pdb")
+    choice = RUNTIME.settings.debugger
     if choice == "debugpy" and importlib.util.find_spec("debugpy") is not None:
         _wait_for_debugpy(rank)
         return

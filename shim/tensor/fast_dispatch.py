@@ -23,10 +23,10 @@ import ctypes
 
 import torch
 
-from shim.clock import clock
 from shim.device import state as dev
 from shim.memory.allocator import ALLOCATOR
 from shim.native import build as pinned_build
+from shim.rank.runtime import RUNTIME
 from shim.tensor import wrapper as tensor
 from shim.tensor.wrapper import MirageTensor
 
@@ -99,7 +99,7 @@ def install() -> None:
         views = [_check_view(op) for op in VIEW_OPS]
         # Clocked mode times every kernel in Python (shim/clock/clock.py); a view launches none, so only the
         # views stay in C++ there.
-        plain = [] if clock.ENABLED else [_check_plain(op) for op in PLAIN_OPS]
+        plain = [] if RUNTIME.settings.clocked else [_check_plain(op) for op in PLAIN_OPS]
         lib = pinned_build.load(pinned_build.FAST_DISPATCH_SOURCE, "the fast dispatch kernels", ctypes.PyDLL)
     except (AssertionError, pinned_build.BuildError) as e:  # another torch's schemas, or no build
         FAST_DISPATCH_ERROR = str(e)

@@ -25,6 +25,7 @@ import torch._utils
 import torch.serialization
 
 from shim.device import state as dev
+from shim.rank.runtime import RUNTIME
 from shim.tensor.wrapper import MirageTensor
 
 _CUDA = re.compile(r"cuda(?::(\d+))?")
@@ -42,7 +43,7 @@ def _restore_cuda(storage, location: str):
     m = _CUDA.fullmatch(location)
     if m is None:
         return None
-    gpu = dev.check_index(int(m.group(1)) if m.group(1) is not None else dev.STATE.current)
+    gpu = dev.check_index(int(m.group(1)) if m.group(1) is not None else RUNTIME.device.current)
     _loading()[id(storage)] = (storage, gpu)
     return storage
 

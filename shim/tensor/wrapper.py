@@ -22,12 +22,12 @@ from torch._subclasses import meta_utils
 from torch._subclasses.fake_tensor import is_fake
 from torch._subclasses.functional_tensor import FunctionalTensor
 
-from shim.clock import clock
 from shim.device import deferred, rng
 from shim.device import state as dev
 from shim.memory.allocator import ALLOCATOR
 from shim.ops import attention
 from shim.ops.functional import functional_collective, traced_collective
+from shim.rank.runtime import RUNTIME
 
 BACKEND = dev.BACKEND  # must be registered before this module is imported
 BACKEND_DEVICE = torch.device(BACKEND, 0)
@@ -92,7 +92,7 @@ class MirageTensor(torch.Tensor):
     def __repr__(self, *, tensor_contents=None) -> str:
         # format the CPU data; torch then appends device='cuda:i' and grad_fn as usual
         if tensor_contents is None:
-            if dev.STATE.sync_debug:  # printing copies the data to the host
+            if RUNTIME.device.sync_debug:  # printing copies the data to the host
                 dev.synchronizing()
             tensor_contents = torch._tensor_str._tensor_str(self._elem.detach(), len("tensor("))
         text = torch._tensor_str._str(self, tensor_contents=tensor_contents)
@@ -103,7 +103,7 @@ class MirageTensor(torch.Tensor):
         return text
 
     def tolist(self):
-        if dev.STATE.sync_debug:
+        if RUNTIME.device.sync_debug:
             dev.synchronizing()
         return self._elem.tolist()
 
@@ -157,9 +157,10 @@ class MirageTensor(torch.Tensor):
             out = _fast(plan, args) if plan.fast and not kwargs else None
             if out is None:
                 out = _dispatch(func, plan, args, kwargs)
-            if clock.CLOCK is not None and plan.kind != _COLLECTIVE and not _tracing(args):
+            clock = RUNTIME.clock
+            if clock is not None and plan.kind != _COLLECTIVE and not _tracing(args):
                 # clocked mode: a kernel takes time (a traced one: see shim/compile/torch_compile.py)
-                clock.CLOCK.charge(func, args, kwargs, out)
+                clock.charge(func, args, kwargs, out)
             return out
         except Exception as e:
             if not deferred.in_backward():
@@ -293,10 +294,10 @@ def _dispatch(func, plan: _Plan, args, kwargs):
             raise RuntimeError(
                 f"Expected all tensors to be on the same device, but found at least two devices, cuda:{gpu} and cpu!"
             )
-    if dev.STATE.sync_debug and inputs and _synchronizes(func, args, kwargs):
+    if RUNTIME.device.sync_debug and inputs and _synchronizes(func, args, kwargs):
         dev.synchronizing()
     override = dev.allocation_override()
-    out_gpu = override if override is not None else gpu if gpu is not None else dev.STATE.current
+    out_gpu = override if override is not None else gpu if gpu is not None else RUNTIME.device.current
     kind = plan.kind
     if kind == _PLAIN or kind == _KERNEL:
         out = plan.run(*uargs, **ukwargs)
@@ -483,7 +484,7 @@ def _native_dropout_backward(grad_output: torch.Tensor, mask: torch.Tensor, scal
 
 
 def _empty_memory_format(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
-    if not dev.STATE.initialized:
+    if not RUNTIME.device.initialized:
         dev.initialize()  # every cuda tensor made from scratch starts in one of these two factories
     gpu = dev.allocation_device()
     ALLOCATOR.check(gpu, math.prod(size) * _itemsize(dtype))  # before the host allocates it
@@ -492,7 +493,7 @@ def _empty_memory_format(size, dtype=None, layout=None, device=None, pin_memory=
 
 
 def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
-    if not dev.STATE.initialized:
+    if not RUNTIME.device.initialized:
         dev.initialize()
     gpu = dev.allocation_device()
     if all(n > 0 for n in size):
@@ -528,7 +529,7 @@ def _on_cuda_key(factory):
     """
 
     def run(*args, device=None, **kwargs):
-        gpu = dev.STATE.current if device is None or device.index is None else dev.check_index(device.index)
+        gpu = RUNTIME.device.current if device is None or device.index is None else dev.check_index(device.index)
         with dev.allocating_on(gpu):
             return factory(*args, device=device, **kwargs)
 

@@ -42,13 +42,14 @@ from collections.abc import Callable
 
 import numpy as np
 
+from shim.rank.runtime import RUNTIME
 from wire import kernels
 from wire.arena import SHM_DIR, arena_name
 from wire.schema import DIRECT_OPS, CollOp, ReduceOp
 
 
 def _max_bytes() -> int:
-    raw = os.environ.get("MIRAGE_DIRECT_MAX_BYTES", str(64 << 10))
+    raw = RUNTIME.settings.direct_max_bytes
     try:
         value = int(raw)
     except ValueError:

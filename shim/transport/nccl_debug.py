@@ -14,6 +14,7 @@ import sys
 import threading
 
 from shim.cuda.api import NCCL_VERSION
+from shim.rank.runtime import RUNTIME
 from wire.profiles import bus_id
 
 _version_printed = False
@@ -26,7 +27,7 @@ def enabled() -> bool:
 def _interface() -> str:
     """``name:address`` of the interface the rank's host uses: loopback on one machine, the one a multi-host
     run's agent chose (``NCCL_SOCKET_IFNAME``) on several."""
-    return os.environ.get("MIRAGE_SOCKET_IF", "lo:127.0.0.1")
+    return RUNTIME.settings.socket_if
 
 
 def net_only() -> bool:

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from shim.memory.allocator import ALLOCATOR
+from shim.rank.runtime import RUNTIME
 from shim.transport import nccl_debug
 from wire import schema as s
 
@@ -49,9 +50,9 @@ SHM_DIR = "/dev/shm"  # where torch puts a shared storage's (unlinked) file
 #: Smallest tensor that takes this path. Zero-copy pays from far below (a 2-rank all-reduce of
 #: 64 KiB: 141-153 us of rank CPU against 250-254 staged; 256 KiB: 172-199 against 287-294), but
 #: each registered storage holds a descriptor, a mapping and its bytes in /dev/shm for its life.
-MIN_BYTES = int(os.environ.get("MIRAGE_ZERO_COPY_MIN_BYTES", str(256 << 10)))
+MIN_BYTES = RUNTIME.settings.zero_copy_min_bytes
 #: "reuse": from a storage's second collective on; "always": from its first; "off".
-MODE = os.environ.get("MIRAGE_ZERO_COPY", "reuse").lower()
+MODE = RUNTIME.settings.zero_copy
 #: Buffers a rank keeps registered at once; past this, tensors are staged.
 MAX_BUFFERS = 1024
 

@@ -1,7 +1,8 @@
 """A rank's collectives in flight, completed in the order they were posted, as kernels on one stream.
 
 Every collective a transport posts (``shim/transport/transports.py``) becomes a
-:class:`Pending` at the end of one process-wide queue; the ``Work`` a
+:class:`Pending` at the end of one process-wide queue (``RUNTIME.stream``, with
+the lock that posts and completes collectives from any thread); the ``Work`` a
 ``dist.*`` call returns (:class:`CollectiveWork`) completes the queue up to
 its newest collective. A later collective's output thus never lands before an
 earlier one's, across all the process's communicators (NCCL has one stream per
@@ -13,20 +14,16 @@ the process group.
 from __future__ import annotations
 
 import itertools
-import threading
-from collections import deque
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from shim.clock import clock
+from shim.rank.runtime import RUNTIME
 from shim.transport import profiler as prof
 from wire import schema as s
 
-#: Posting and completing collectives, from any thread of the process.
-LOCK = threading.Lock()
 #: Entered with the lock: staging and delivering only touch plain CPU tensors (a collective's
 #: unwrapped data, arena views), so the global ``CudaMode`` has nothing to do there, and passing
 #: its ``__torch_function__`` on each of their dozen torch calls was a fifth of a small
@@ -52,24 +49,21 @@ class Pending:
         return self.transport.ready(self)
 
 
-#: Posted collectives of this process, oldest first.
-PENDING: deque[Pending] = deque()
-
-
 def append(p: Pending) -> Pending:
     """Queue a collective its transport just posted (lock held)."""
-    PENDING.append(p)
+    RUNTIME.stream.pending.append(p)
     return p
 
 
 def complete_through(last: Pending) -> None:
     """Deliver every posted collective up to and including ``last``, in order (lock held)."""
+    pending = RUNTIME.stream.pending
     while not last.done:
-        p = PENDING[0]
+        p = pending[0]
         try:
             p.transport.complete(p)
         finally:
-            PENDING.popleft()
+            pending.popleft()
             p.transport.release(p)
             p.done = True
             p.staged = p.out_view = p.deliver = p.targets = None
@@ -82,9 +76,10 @@ def _storages(tensors) -> set[int]:
 def after_writers_of(inputs: list[torch.Tensor]) -> None:
     """Complete the collectives that write what ``inputs`` read (lock held): on a stream a collective
     reads its inputs after earlier ones wrote their outputs."""
-    if PENDING:
+    pending = RUNTIME.stream.pending
+    if pending:
         reads = _storages(inputs)
-        for p in reversed(PENDING):
+        for p in reversed(pending):
             if _storages(p.targets) & reads:
                 complete_through(p)
                 break
@@ -96,8 +91,8 @@ def drain(group_name: str | None = None) -> None:
 
     Each waits at most its group's timeout; a failure raises as the collective's own wait would.
     """
-    with LOCK, PLAIN():
-        last = next((p for p in reversed(PENDING)
+    with RUNTIME.stream.lock, PLAIN():
+        last = next((p for p in reversed(RUNTIME.stream.pending)
                      if group_name is None or p.transport.comm.group_name == group_name), None)
         if last is not None:
             complete_through(last)
@@ -121,13 +116,13 @@ class CollectiveWork(dist.Work):
         if prof.listening():
             prof.record_wait(self._last.transport.comm if self._last is not None else None, self._last)
         self._complete()
-        if clock.CLOCK is not None and self._last is not None:  # the current stream waits for the collective
-            clock.CLOCK.wait_until(self._last.device, self._last.t_end)
+        if RUNTIME.clock is not None and self._last is not None:  # the current stream waits for the collective
+            RUNTIME.clock.wait_until(self._last.device, self._last.t_end)
         return True
 
     def _complete(self) -> bool:
         if self._last is not None and not self._last.done:
-            with LOCK, PLAIN():
+            with RUNTIME.stream.lock, PLAIN():
                 complete_through(self._last)
         if self._profile:
             prof.end(self)
@@ -136,9 +131,9 @@ class CollectiveWork(dist.Work):
     def is_completed(self) -> bool:
         last = self._last
         if last is not None and not last.done:
-            with LOCK, PLAIN():
+            with RUNTIME.stream.lock, PLAIN():
                 if not last.done:
-                    upto = list(itertools.takewhile(lambda p: p is not last, PENDING)) + [last]
+                    upto = list(itertools.takewhile(lambda p: p is not last, RUNTIME.stream.pending)) + [last]
                     if not all(p.ready() for p in upto):
                         return False
                     complete_through(last)  # answered: copying out does not block
@@ -159,8 +154,9 @@ class CollectiveWork(dist.Work):
 
 def work_of(result) -> CollectiveWork:
     """The work of the call that just posted its collectives: complete through the newest."""
-    with LOCK:  # (another thread may be completing them)
-        return CollectiveWork(result, PENDING[-1] if PENDING else None)
+    queue = RUNTIME.stream
+    with queue.lock:  # (another thread may be completing them)
+        return CollectiveWork(result, queue.pending[-1] if queue.pending else None)
 
 
 class P2PWork(dist.Work):
@@ -190,8 +186,8 @@ class P2PWork(dist.Work):
                 self.arena.unlink()
             if self._profile:
                 prof.end(self)
-        if clock.CLOCK is not None:  # the current stream waits for the message
-            clock.CLOCK.wait_until(self.device, self.t_end)
+        if RUNTIME.clock is not None:  # the current stream waits for the message
+            RUNTIME.clock.wait_until(self.device, self.t_end)
         return True
 
     def is_completed(self) -> bool:

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import itertools
-import os
 import socket
 import sys
 import time
@@ -36,8 +34,8 @@ import torch
 import torch.distributed as dist
 
 from shim.clock import clock
-from shim.device import state as dev
 from shim.rank import client as cl
+from shim.rank.runtime import RUNTIME
 from shim.tensor.wrapper import MirageTensor
 from shim.transport import direct, nccl_debug, stream
 from shim.transport import shared_buffers as sb
@@ -73,15 +71,21 @@ class Call:
     inputs: list[torch.Tensor]  # the CPU data of the rank's input tensors, in order
     out_numel: int
     dtype: torch.dtype
-    deliver: Callable[[torch.Tensor], None] | None  # takes the flat output when the work completes
+    deliver: Callable[[torch.Tensor], None] | None = None  # takes the flat output when the work completes
     reduce_op: s.ReduceOp = s.ReduceOp.SUM
     root: int = 0
-    device: int = 0  # the visible ordinal of the GPU it runs on
+    device: int | None = None  # the visible ordinal of the GPU it runs on (None: the current device's)
     stage: bool = True  # whether this rank's inputs are sent (a broadcast's non-roots send nothing)
     splits: list[int] = field(default_factory=list)
-    numel: int = 0  # what the daemon matches across ranks (scatter: the share)
+    numel: int | None = None  # what the daemon matches across ranks (scatter: the share; None: the inputs')
     premul: float | None = None  # premul_sum's factor, applied to the staged copy
     owner: torch.Tensor | None = None  # the emulated tensor whose data is inputs[0], for zero-copy
+
+    def __post_init__(self) -> None:
+        if self.device is None:
+            self.device = RUNTIME.device.current
+        if self.numel is None:
+            self.numel = sum(t.numel() for t in self.inputs)
 
     @property
     def staged_numel(self) -> int:
@@ -90,14 +94,14 @@ class Call:
     def request(self, comm: Comm, **fields) -> s.Collective:
         """The daemon's request for this call, with the communicator's next sequence number."""
         comm.seq += 1
-        if clock.CLOCK is not None:  # clocked mode: when this rank's stream lets the collective start
-            fields["t_ready"] = clock.CLOCK.collective_ready(self.device, comm.id)
+        if RUNTIME.clock is not None:  # clocked mode: when this rank's stream lets the collective start
+            fields["t_ready"] = RUNTIME.clock.collective_ready(self.device, comm.id)
         return s.Collective(
             comm=comm.id, seq=comm.seq, rank=comm.rank, op=self.op, reduce_op=self.reduce_op,
             dtype=str(self.dtype).removeprefix("torch."), numel=self.numel, out_numel=self.out_numel, root=self.root,
             # the node's GPU, not the visible ordinal: two ranks that each see "cuda:0" through
             # CUDA_VISIBLE_DEVICES are on different GPUs
-            device=dev.STATE.physical[self.device], site=call_site(), splits=self.splits, **fields,
+            device=RUNTIME.device.physical[self.device], site=call_site(), splits=self.splits, **fields,
         )
 
 
@@ -133,7 +137,7 @@ class Transport:
             raise nccl_error(reply.code, reply.message, p.device)
         if isinstance(reply, s.Done) and reply.devices and nccl_debug.enabled():
             nccl_debug.print_init(self.comm.id, self.comm.rank, reply.devices, reply.hosts)
-        if clock.CLOCK is not None and isinstance(reply, s.Done):
+        if RUNTIME.clock is not None and isinstance(reply, s.Done):
             p.t_end = reply.t_end
             self.clocked(p.request, Timing(reply.t_start, reply.t_end, reply.algo), p.device, p.targets)
         return reply
@@ -141,7 +145,7 @@ class Transport:
     def clocked(self, request: s.Collective, when: Timing, device: int, outputs) -> None:
         """Clocked mode: the collective ran on the communicator's stream when the daemon says."""
         comm = self.comm
-        clock.CLOCK.collective_done(
+        RUNTIME.clock.collective_done(
             device, comm.id, clock.collective_name(request.op), when.start, when.end,
             {"op": request.op.value, "bytes": request.numel * getattr(torch, request.dtype).itemsize,
              "comm": comm.group_desc or comm.group_name or comm.id, "algo": when.algo, "seq": request.seq,
@@ -161,7 +165,7 @@ class Transport:
         reply = self.comm.client.wait(work.req, timeout_s)
         if isinstance(reply, s.Error):
             raise nccl_error(reply.code, reply.message, work.device)
-        if clock.CLOCK is not None:
+        if RUNTIME.clock is not None:
             work.t_end = reply.t_end
             self.clocked(work.request, reply, work.device, work.tensors)
         if work.deliver is not None:
@@ -178,25 +182,18 @@ class InProcessTransport(Transport):
         return None
 
 
-#: Staging buffers for collectives in flight together, shared by every communicator of the
-#: process. Slot 0 is the client's arena (used when nothing else is in flight, i.e. always for
-#: synchronous calls); slots 1.. are grown on demand, named ``...-s<slot>-g<generation>`` so that
-#: the daemon drops a slot's old mapping.
-_SLOTS: dict[int, Arena] = {}
-_SLOT_GENERATION = itertools.count(1)
-_busy_slots: set[int] = set()
-
-
 def _slot_arena(client: cl.DaemonClient, slot: int, nbytes: int) -> Arena:
+    """Staging slot ``slot`` (``RUNTIME.staging``, see ``shim.rank.runtime.Staging``), at least ``nbytes``."""
     if slot == 0:
         return client.arena(nbytes)
-    arena = _SLOTS.get(slot)
+    staging = RUNTIME.staging
+    arena = staging.arenas.get(slot)
     if arena is None or arena.size < nbytes:
         if arena is not None:
             arena.close()
             arena.unlink()
-        tag = f"{client.tag}-s{slot}-g{next(_SLOT_GENERATION)}"
-        arena = _SLOTS[slot] = Arena.create(arena_name(client.session, tag), max(nbytes, 1 << 20))
+        tag = f"{client.tag}-s{slot}-g{next(staging.generation)}"
+        arena = staging.arenas[slot] = Arena.create(arena_name(client.session, tag), max(nbytes, 1 << 20))
     return arena
 
 
@@ -222,7 +219,8 @@ class ArenaTransport(Transport):
             staged, deliver, out_view = inputs[0], None, None
         else:
             out_off = cl.aligned(staged_numel * esize)
-            slot = 0 if not stream.PENDING else min(set(range(1, len(stream.PENDING) + 2)) - _busy_slots)
+            queue = RUNTIME.stream.pending
+            slot = 0 if not queue else min(set(range(1, len(queue) + 2)) - RUNTIME.staging.busy)
             arena = _slot_arena(client, slot, out_off + (0 if same else call.out_numel * esize))
             staged = cl.arena_tensor(arena, 0, staged_numel, call.dtype)
             if call.stage:
@@ -237,7 +235,7 @@ class ArenaTransport(Transport):
         request = call.request(self.comm, arena=name, in_off=in_off, out_off=out_off, in_buf=in_buf, out_buf=in_buf)
         req = client.send(request)
         if slot >= 0:
-            _busy_slots.add(slot)
+            RUNTIME.staging.busy.add(slot)
         pending = Pending(self, request, req, slot, staged, out_view, deliver, call.device, time.monotonic())
         if zc is not None:
             # nothing to deliver, but later collectives touching the tensor wait for this one
@@ -251,7 +249,7 @@ class ArenaTransport(Transport):
             p.deliver(p.staged if p.out_view is None else p.out_view)
 
     def release(self, p: Pending) -> None:
-        _busy_slots.discard(p.slot)
+        RUNTIME.staging.busy.discard(p.slot)
 
     def post_p2p(self, request, elem, deliver, device, tensor) -> P2PWork:
         """Each message in a shared-memory buffer of its own, which the daemon copies between the peers."""
@@ -317,7 +315,7 @@ class SocketTransport(Transport):
         reply = self.comm.client.wait(work.req, timeout_s)
         if isinstance(reply, s.Error):
             raise nccl_error(reply.code, reply.message, work.device)
-        if clock.CLOCK is not None:
+        if RUNTIME.clock is not None:
             work.t_end = reply.t_end
             self.clocked(work.request, reply, work.device, work.tensors)
         data = self.comm.client.data(work.req)  # a receive's message came with the reply
@@ -353,7 +351,7 @@ class DirectTransport(Transport):
         request = call.request(comm, direct=True)
         if not rings.slot_free(index):
             # its last user must be done on every rank: here first (in order, as on a stream), then the peers
-            last = [p for p in stream.PENDING if p.transport is self and 0 < p.ring <= index - direct.SLOTS]
+            last = [p for p in RUNTIME.stream.pending if p.transport is self and 0 < p.ring <= index - direct.SLOTS]
             if last:
                 stream.complete_through(last[-1])
             deadline = time.monotonic() + comm.timeout_s
@@ -409,8 +407,8 @@ class DirectTransport(Transport):
                 p.deliver(out)
         elif req.op is s.CollOp.BROADCAST and p.deliver is not None:
             p.deliver(torch.from_numpy(rings.inputs(p.ring, nbytes)[req.root]).view(dtype))
-        if clock.CLOCK is not None:  # timed as the daemon times it: one host, every member's t_ready known
-            when = timing(clock.CLOCK.profile, req, self.comm.size, self.comm.size, rings.start_time(p.ring))
+        if RUNTIME.clock is not None:  # timed as the daemon times it: one host, every member's t_ready known
+            when = timing(RUNTIME.clock.profile, req, self.comm.size, self.comm.size, rings.start_time(p.ring))
             p.t_end = when.end
             self.clocked(req, when, p.device, p.targets)
         rings.finish(p.ring)
@@ -432,14 +430,14 @@ def route(store: dist.Store, comm: str, rank: int, size: int, node: str) -> Rout
     when a member runs on another emulated node (``node``: its NCCL_HOSTID), or
     when the daemon is on another host (reached over TCP: no memory to share
     with it); else ``"shm"``. In a multi-host run, a communicator whose members
-    all run on this host is served by this host's daemon (:func:`client.host_client`),
+    all run on this host is served by this host's daemon (``RUNTIME.host_client``),
     as on one machine; one across hosts by the head's, over the socket. Only a
     multi-node run has to ask where the members are: each rank writes its node
     and host to the store and reads everyone's, as NCCL's bootstrap all-gathers them.
     """
-    head, here = cl.client(), cl.host_client()
-    over_tcp = not os.environ.get("MIRAGE_ENDPOINT", "ipc://").startswith("ipc://")
-    if size == 1 or here is None and int(os.environ.get("MIRAGE_NUM_NODES", "1") or "1") <= 1:
+    head, here = RUNTIME.client(), RUNTIME.host_client()
+    over_tcp = not (RUNTIME.settings.endpoint or "ipc://").startswith("ipc://")
+    if size == 1 or here is None and RUNTIME.settings.num_nodes <= 1:
         daemon = head if here is None else here
         return Route("socket" if nccl_debug.net_only() or daemon is head and over_tcp else "shm", daemon)
     store.set(f"mirage_host/{comm}/{rank}", f"{node}\n{socket.gethostname()}")
@@ -482,12 +480,12 @@ def _at_exit() -> None:
     this process is gone. A process ending on an uncaught exception does not
     wait (NCCL aborts its communicators then); its peers' collectives fail.
     """
-    if stream.PENDING and not hasattr(sys, "last_value"):
+    if RUNTIME.stream.pending and not hasattr(sys, "last_value"):
         try:
             stream.drain()
         except Exception as e:  # noqa: BLE001 - the exit goes on; the collective's error is the news
             print(f"mirage: at exit, a collective posted and never waited for failed: {str(e).splitlines()[0]}",
                   file=sys.stderr, flush=True)
-        cl.flush_all()  # the books of rank-to-rank collectives completed just now
-    for arena in _SLOTS.values():
+        RUNTIME.flush_clients()  # the books of rank-to-rank collectives completed just now
+    for arena in RUNTIME.staging.arenas.values():
         arena.unlink()
