@@ -30,6 +30,7 @@ from mirage_tui.config.topology import (
     ExecMode,
     Launcher,
     OnHang,
+    ProgramClock,
     Topology,
     UsageError,
     check_combination,
@@ -184,6 +185,14 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
         "and predict step times on the profile's GPUs (docs/clocked.md)",
     )
     parser.add_argument(
+        "--program-clock",
+        choices=[c.value for c in ProgramClock],
+        default=ProgramClock.WALL.value,
+        help="with --exec-mode clocked: emulated makes the program's time.perf_counter, time.monotonic and "
+        "time.time read the rank's emulated clock, so its own step times and tokens/s are the prediction; "
+        "wall leaves them alone (default)",
+    )
+    parser.add_argument(
         "--log-dir",
         metavar="DIR",
         help="where to write the run's logs (default: under .mirage/runs)",
@@ -227,6 +236,7 @@ def _topology(ns: argparse.Namespace, command: tuple[str, ...] | None, help_prog
             hbm_bytes=None if ns.hbm is None else parse_size(ns.hbm),
             command=command or (),
             exec_mode=ExecMode(ns.exec_mode),
+            program_clock=ProgramClock(ns.program_clock),
             nproc_per_node=ns.nproc_per_node,
             workdir=ns.workdir,
             clear_env=ns.clear_env_vars,

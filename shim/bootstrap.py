@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import sys
 
+from shim.clock import program_clock
 from shim.comm import registration
 from shim.compile import triton_runtime
 from shim.import_hooks import after_import
@@ -96,6 +97,7 @@ def boot() -> None:
         os.environ[registration.CLAIMED] = str(rank)
         capture(settings.run_dir, rank)
         arm_stack_dumps(settings.run_dir, rank)
+        program_clock.install()  # --program-clock emulated: before the program's code captures a clock
         if settings.debug_rank == str(rank):  # --debug-rank: stop before the program runs
             from shim.rank.debugger import wait_for_debugger
 

@@ -60,6 +60,15 @@ USAGE_ERRORS = [
         "unrecognized arguments: python t.py (the program to run goes after --)",
     ),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
+    (
+        ["run", "--program-clock", "emulated", "--", "python", "t.py"],
+        "--program-clock emulated reads the emulated clock, which --exec-mode functional does not keep; "
+        "add --exec-mode clocked or drop --program-clock",
+    ),
+    (
+        ["run", "--exec-mode", "clocked", "--program-clock", "gpu", "--", "python", "t.py"],
+        "argument --program-clock: invalid choice: 'gpu' (choose from 'wall', 'emulated')",
+    ),
 ]
 
 
@@ -112,6 +121,8 @@ def test_run_help_shows_flags(tmp_path):
         "--env",
         "--in-process",
         "--log-dir",
+        "--exec-mode",
+        "--program-clock",
     ]:
         assert flag in out
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from test_run import FIXTURES, events, mirage_run, run_dir
@@ -88,3 +89,65 @@ def test_clocked_in_process_is_refused(tmp_path):
     r = mirage_run(tmp_path, "--exec-mode", "clocked", "--in-process", "--", "python", "-c", "pass")
     assert r.returncode == 2
     assert "--exec-mode clocked needs the daemon" in r.stderr
+
+
+def _timed_steps(stdout: str, rank: int) -> list[tuple[float, float]]:
+    """(perf_counter, time.time) seconds of each step ``timed_steps.py``'s rank printed, in order."""
+    out = []
+    for line in stdout.splitlines():
+        m = re.match(rf"\[{rank}\] \[rank {rank}\] step \d+: perf_counter (\S+) s, time\.time (\S+) s, ", line)
+        if m:
+            out.append((float(m.group(1)), float(m.group(2))))
+    return out
+
+
+@pytest.mark.usefixtures("no_orphans")
+def test_program_clock_emulated_prints_the_prediction(tmp_path):
+    """--program-clock emulated: a step timed with perf_counter/time.time around synchronize() is the prediction."""
+    r = mirage_run(tmp_path, "--exec-mode", "clocked", "--program-clock", "emulated", "--gpus-per-node", "2", "--",
+                   "torchrun", "--standalone", "--nproc_per_node=2", str(FIXTURES / "timed_steps.py"), steps=6)
+    assert r.returncode == 0, r.stdout + r.stderr
+    ev = events(tmp_path)
+    clocked = json.loads((run_dir(tmp_path) / "report.json").read_text())["clocked"]
+    for rank in (0, 1):
+        printed = _timed_steps(r.stdout, rank)
+        steps = [e for e in ev if e["type"] == "clocked_step" and e["rank"] == rank]
+        assert len(printed) == len(steps) == 6, r.stdout
+        # the first step also holds what came before it on the rank's clock (the model's copy, DDP's broadcast);
+        # from the second on, the program's clock reads each step's emulated time
+        for (perf, wall), e in zip(printed[1:], steps[1:]):
+            # within 10 ns: a read is at least 1 ns after the thread's previous one, and the loop reads the clock
+            # twice (time.time, then the next step's perf_counter) while the host stands still
+            assert perf == pytest.approx(e["t_end"] - e["t_start"], rel=0, abs=1e-8)
+            assert wall == pytest.approx(perf, rel=2e-3)  # time.time()'s float keeps ~0.2 µs
+        assert sum(p for p, _ in printed[1:]) / 5 == pytest.approx(clocked["predicted_step_s"], rel=0, abs=1e-8)
+
+
+@pytest.mark.usefixtures("no_orphans")
+def test_program_clock_wall_is_the_cpus(tmp_path):
+    """--program-clock wall (the default): the program's clock is the CPU's, far from the prediction."""
+    r = mirage_run(tmp_path, "--exec-mode", "clocked", "--program-clock", "wall", "--", "python",
+                   str(FIXTURES / "timed_steps.py"), steps=4)
+    assert r.returncode == 0, r.stdout + r.stderr
+    predicted = json.loads((run_dir(tmp_path) / "report.json").read_text())["clocked"]["predicted_step_s"]
+    printed = _timed_steps(r.stdout, 0)
+    assert len(printed) == 4 and predicted > 0
+    assert all(perf > 3 * predicted for perf, _ in printed), (printed, predicted)
+
+
+@pytest.mark.usefixtures("no_orphans")
+def test_program_clock_emulated_keeps_waits_real(tmp_path):
+    """Timeouts inside the standard library stay wall time; the program's sleeps move its clock."""
+    r = mirage_run(tmp_path, "--exec-mode", "clocked", "--program-clock", "emulated", "--", "python",
+                   str(FIXTURES / "clock_waits.py"), timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "[0] clock_waits_ok" in r.stdout.splitlines()
+    took = {m.group(1): (float(m.group(2)), float(m.group(3)))
+            for m in re.finditer(r"^\[0\] (\w+): wall (\S+) program (\S+)$", r.stdout, re.M)}
+    assert set(took) == {"condition", "event", "lock", "queue", "mp_queue", "sleep", "deadline_loop", "asyncio",
+                         "futures", "subprocess"}
+    for what, (wall, _) in took.items():
+        assert 0.19 < wall < 5, (what, wall)
+    assert took["sleep"][1] == pytest.approx(0.2, abs=1e-6)
+    assert 0.3 <= took["deadline_loop"][1] < 0.36
+    assert took["event"][1] < 1e-6  # a wait that timed out is not a sleep: the program's clock did not move

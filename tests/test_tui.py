@@ -30,7 +30,7 @@ from mirage_tui.app.setup import SetupScreen  # noqa: E402
 from mirage_tui.app.stacks_screen import StacksScreen  # noqa: E402
 from mirage_tui.app.timeline_pane import TimelineBox, TimelinePane  # noqa: E402
 from mirage_tui.config import launch_forms, topology_file  # noqa: E402
-from mirage_tui.config.topology import ExecMode, OnHang, Topology, UsageError, validate  # noqa: E402
+from mirage_tui.config.topology import ExecMode, OnHang, ProgramClock, Topology, UsageError, validate  # noqa: E402
 from mirage_tui.state import replay  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -592,6 +592,25 @@ def test_player_honours_recorded_gaps():
 # ---------------------------------------------------------------- setup form
 
 
+def test_setup_keeps_the_program_clock_while_clocked(tmp_path):
+    """--program-clock has no field in the form: it stays the command line's while the exec mode is clocked."""
+    demo = _topology(tmp_path, "ddp_mlp.py", exec_mode=ExecMode.CLOCKED, program_clock=ProgramClock.EMULATED)
+    app = MirageApp(demo, setup=True, demo=demo, last_path=str(tmp_path / "last.toml"))
+
+    async def body(pilot) -> None:
+        await _until(pilot, "the setup form", lambda: isinstance(app.screen, SetupScreen))
+        form = app.screen
+        assert form.topology is not None and form.topology.program_clock is ProgramClock.EMULATED
+        form.query_one("#exec-mode", Select).value = ExecMode.FUNCTIONAL.value
+        await pilot.pause(0.1)  # functional keeps no emulated clock: the program reads wall time, and may start
+        assert form.topology is not None and form.topology.program_clock is ProgramClock.WALL
+        form.query_one("#exec-mode", Select).value = ExecMode.CLOCKED.value
+        await pilot.pause(0.1)
+        assert form.topology is not None and form.topology.program_clock is ProgramClock.EMULATED
+
+    _run_app(app, body)
+
+
 def test_setup_validates_with_the_cli_rules_and_loads_toml(tmp_path):
     demo = _topology(tmp_path, "ddp_mlp.py")
     saved = tmp_path / "saved.toml"
@@ -708,6 +727,12 @@ def test_topology_file_round_trip_and_errors(tmp_path):
     assert topology_file.load(str(path)) == clocked
     path.write_text("exec_mode = 'timed'\n")
     with pytest.raises(UsageError, match="exec_mode must be one of functional, clocked"):
+        topology_file.load(str(path))
+    program = dataclasses.replace(clocked, program_clock=ProgramClock.EMULATED)
+    topology_file.save(program, str(path))
+    assert 'program_clock = "emulated"' in path.read_text() and topology_file.load(str(path)) == program
+    path.write_text("program_clock = 'gpu'\n")
+    with pytest.raises(UsageError, match="program_clock must be one of wall, emulated"):
         topology_file.load(str(path))
     # the run flags of the Setup form's last rows; a flag not given has no line and keeps the base's value
     flags = dataclasses.replace(clocked, nproc_per_node=3, workdir="sub dir/\"x\"", clear_env=True, debug_rank=5)

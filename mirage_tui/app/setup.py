@@ -25,6 +25,7 @@ from mirage_tui.config import launch_forms, topology_file
 from mirage_tui.config.completion import complete_path
 from mirage_tui.config.topology import (
     ExecMode,
+    ProgramClock,
     Topology,
     UsageError,
     check_combination,
@@ -108,6 +109,8 @@ class SetupScreen(Screen):
         #: The topology the form describes, when it is valid.
         self.topology: Topology | None = None
         self._written: tuple[str, ...] | None = None  # the command this form generated last
+        # --program-clock has no field: the form keeps the command line's (or a loaded file's) while clocked
+        self._program_clock = initial.program_clock
 
     def compose(self) -> ComposeResult:
         t = self.initial
@@ -200,7 +203,8 @@ class SetupScreen(Screen):
             env=tuple(parse_env(line.strip()) for line in env_text.splitlines() if line.strip()),
             hang_timeout_s=float(number("hang", "--hang-timeout", float)),
             in_process=self.query_one("#in-process", Switch).value,
-            exec_mode=ExecMode(str(self.query_one("#exec-mode", Select).value)),
+            exec_mode=(mode := ExecMode(str(self.query_one("#exec-mode", Select).value))),
+            program_clock=self._program_clock if mode is ExecMode.CLOCKED else ProgramClock.WALL,
             hbm_bytes=parse_size(hbm) if hbm else None,
             command=command,
             nproc_per_node=optional("nproc", "--nproc-per-node"),
@@ -322,4 +326,5 @@ class SetupScreen(Screen):
         self.query_one("#hbm", Input).value = _hbm_text(t.hbm_bytes)
         self.query_one("#in-process", Switch).value = t.in_process
         self.query_one("#exec-mode", Select).value = t.exec_mode.value
+        self._program_clock = t.program_clock
         self._check()

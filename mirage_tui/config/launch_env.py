@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from mirage_tui.config.topology import ExecMode, Topology, kept_env
+from mirage_tui.config.topology import ExecMode, ProgramClock, Topology, kept_env
 from wire import faults
 from wire.profiles import profile_path
 
@@ -67,6 +67,8 @@ def node_env(where: RankEnvironment, node: int, master_port: int) -> dict[str, s
         env["MIRAGE_IN_PROCESS"] = "1"
     if topo.exec_mode is ExecMode.CLOCKED:
         env["MIRAGE_EXEC_MODE"] = topo.exec_mode.value
+        if topo.program_clock is ProgramClock.EMULATED:  # the ranks' time.perf_counter & co. (shim.clock.program_clock)
+            env["MIRAGE_PROGRAM_CLOCK"] = topo.program_clock.value
     if where.server_key:  # on another host: the daemon over TCP, CURVE (its public key), no pid to watch
         env["MIRAGE_SERVER_KEY"] = where.server_key
     if where.daemon_pid is not None:  # ranks stop waiting for replies once it is gone

@@ -52,6 +52,13 @@ class ExecMode(str, Enum):
     CLOCKED = "clocked"
 
 
+class ProgramClock(str, Enum):
+    """What the program's own ``time.perf_counter``/``monotonic``/``time`` read in a clocked run (docs/clocked.md)."""
+
+    WALL = "wall"
+    EMULATED = "emulated"
+
+
 class Launcher(str, Enum):
     """Who starts the emulated nodes: mirage on this machine, or Slurm on the hosts of an allocation."""
 
@@ -84,6 +91,7 @@ class Topology:
     hbm_bytes: int | None = None  # --hbm: each GPU's memory instead of the profile's (rehearse OOM)
     command: tuple[str, ...] = ()  # the program and its own arguments
     exec_mode: ExecMode = ExecMode.FUNCTIONAL  # --exec-mode
+    program_clock: ProgramClock = ProgramClock.WALL  # --program-clock: emulated needs exec_mode clocked
     # --nproc-per-node: mirage starts this many rank processes per node itself, with torchrun's
     # environment; None runs the command once per node (what torchrun or a framework then launches)
     nproc_per_node: int | None = None
@@ -215,6 +223,9 @@ def check_combination(topology: Topology) -> None:
     if topology.in_process and topology.exec_mode is ExecMode.CLOCKED:
         raise UsageError("--exec-mode clocked needs the daemon, which keeps the emulated clock across ranks, "
                          "and --in-process has none; drop one of the two")
+    if topology.program_clock is ProgramClock.EMULATED and topology.exec_mode is not ExecMode.CLOCKED:
+        raise UsageError(f"--program-clock emulated reads the emulated clock, which --exec-mode "
+                         f"{topology.exec_mode.value} does not keep; add --exec-mode clocked or drop --program-clock")
     if topology.launcher is Launcher.SLURM:
         if topology.in_process:
             raise UsageError("--launcher slurm runs nodes on other hosts, and --in-process runs one process here; "

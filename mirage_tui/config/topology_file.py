@@ -12,14 +12,15 @@ import json
 import os
 import tomllib
 
-from mirage_tui.config.topology import ExecMode, Topology, UsageError
+from mirage_tui.config.topology import ExecMode, ProgramClock, Topology, UsageError
 
 #: Where the console keeps the topology of the last run it started (next to ``.mirage/runs``).
 LAST_PATH = os.path.join(".mirage", "last-topology.toml")
 
 # field -> the TOML type it must have (a float field also takes an integer)
 _TYPES: dict[str, type] = {"profile": str, "num_nodes": int, "gpus_per_node": int, "in_process": bool,
-                           "hang_timeout_s": float, "hbm_bytes": int, "exec_mode": str, "command": list,
+                           "hang_timeout_s": float, "hbm_bytes": int, "exec_mode": str, "program_clock": str,
+                           "command": list,
                            "nproc_per_node": int, "workdir": str, "clear_env": bool, "debug_rank": int, "env": dict}
 
 
@@ -36,6 +37,7 @@ def dumps(topology: Topology) -> str:
         f"hang_timeout_s = {float(topology.hang_timeout_s)!r}",
         f"in_process = {str(topology.in_process).lower()}",
         f"exec_mode = {q(topology.exec_mode.value)}",
+        f"program_clock = {q(topology.program_clock.value)}",
         # TOML has no null: a flag not given has no line (the profile's HBM, the launcher's ranks, ...)
         *([f"hbm_bytes = {topology.hbm_bytes}"] if topology.hbm_bytes is not None else []),
         f"command = [{', '.join(q(a) for a in topology.command)}]",
@@ -91,5 +93,11 @@ def load(path: str, base: Topology | None = None) -> Topology:
             except ValueError:
                 raise UsageError(f"topology file {path}: exec_mode must be one of "
                                  f"{', '.join(m.value for m in ExecMode)} (got {value!r})") from None
+        if key == "program_clock":
+            try:
+                value = ProgramClock(value)
+            except ValueError:
+                raise UsageError(f"topology file {path}: program_clock must be one of "
+                                 f"{', '.join(c.value for c in ProgramClock)} (got {value!r})") from None
         changes[key] = value
     return dataclasses.replace(base or Topology(), **changes)

@@ -110,6 +110,7 @@ def _world_of(init_method, store, rank: int, world_size: int) -> tuple[str, int,
 
 def _claim(rank: int) -> None:
     """Make this process rank ``rank``: its output, stack dumps and registration (if it is not already)."""
+    from shim.clock import program_clock
     from shim.comm import registration
     from shim.rank.output import arm_stack_dumps, capture
 
@@ -122,3 +123,4 @@ def _claim(rank: int) -> None:
     capture(run_dir, rank)
     arm_stack_dumps(run_dir, rank)
     registration.register_rank(rank)
+    program_clock.install()  # --program-clock emulated: a rank reads its emulated time (a fork's child did not)

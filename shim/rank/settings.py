@@ -56,6 +56,9 @@ class Settings:
     exec_probe: bool = False
     #: MIRAGE_EXEC_MODE=clocked: keep emulated time (``shim.clock``); anything else is functional mode
     clocked: bool = False
+    #: MIRAGE_PROGRAM_CLOCK=emulated: in a clocked run, the program's ``time.perf_counter``/``monotonic``/``time``
+    #: read the rank's emulated time (``shim.clock.program_clock``); ``wall`` (the default) leaves them alone
+    program_clock: str = "wall"
     #: MIRAGE_NODE_RANK: this emulated node's index
     node_rank: int = 0
     #: MIRAGE_NUM_NODES: how many emulated nodes the run has
@@ -107,6 +110,7 @@ class Settings:
             in_process=env.get("MIRAGE_IN_PROCESS") == "1",
             exec_probe=env.get("MIRAGE_EXEC") == "1",
             clocked=env.get("MIRAGE_EXEC_MODE") == "clocked",
+            program_clock=env.get("MIRAGE_PROGRAM_CLOCK") or "wall",
             node_rank=_int(env, "MIRAGE_NODE_RANK", 0),
             num_nodes=_int(env, "MIRAGE_NUM_NODES", 1),
             gpus_per_node=_int(env, "MIRAGE_GPUS_PER_NODE", 1),

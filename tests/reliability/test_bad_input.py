@@ -78,6 +78,8 @@ CASES = [
                                            "bytes); pick a folder whose path has at most 70 bytes"),
     (["--in-process", "--num-nodes", "2"], 2, "--in-process runs without the daemon, so it cannot join --num-nodes 2"),
     (["--in-process", "--on-hang", "wait"], 2, "--on-hang wait acts on the daemon's hang reports, and --in-process has no"),
+    (["--program-clock", "emulated"], 2, "--program-clock emulated reads the emulated clock, which --exec-mode "
+                                         "functional does not keep; add --exec-mode clocked or drop --program-clock"),
     (["--report", "{d}/no/such/folder/r.json"], 2, "--report {d}/no/such/folder/r.json: cannot write a file there"),
     (["--report", "{d}"], 2, "--report {d}: cannot write a file there; pick a file in a writable folder"),
     (["--inject", "rank=-1,seq=1,action=hang"], 2, "rank"),
