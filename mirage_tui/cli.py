@@ -8,7 +8,7 @@ so this module imports the runner (and any UI) lazily.
 
 Up to 700 lines on purpose: it is the one place both commands' flags are declared
 and dispatched, and it imports almost nothing at import time; the work each
-command does lives in the modules it imports lazily (batch, session_commands, app).
+command does lives in the modules it imports lazily (commands.batch, commands.sessions, app).
 """
 
 from __future__ import annotations
@@ -246,7 +246,7 @@ def _topology(ns: argparse.Namespace, command: tuple[str, ...] | None, help_prog
         validate(topology)
         check_combination(topology)
         if topology.launcher is Launcher.SLURM:
-            from mirage_tui.hosts import netif  # (psutil: only when needed
+            from mirage_tui.hosts import netif  # (psutil: only when needed)
 
             netif.choose()  # an interface to listen on, or a one-line error naming NCCL_SOCKET_IFNAME
     except UsageError as e:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import json
 import re
 
@@ -151,3 +152,16 @@ def test_program_clock_emulated_keeps_waits_real(tmp_path):
     assert took["sleep"][1] == pytest.approx(0.2, abs=1e-6)
     assert 0.3 <= took["deadline_loop"][1] < 0.36
     assert took["event"][1] < 1e-6  # a wait that timed out is not a sleep: the program's clock did not move
+
+
+def test_the_program_clock_reads_strictly_later_and_is_real_once_uninstalled():
+    from shim.clock import program_clock
+
+    # two readings with no emulated time between them differ, even on time.time()'s large base
+    first = program_clock._strictly_after("time", 1.7e9)
+    assert program_clock._strictly_after("time", 1.7e9) > first
+    assert program_clock._strictly_after("time_ns", 1_700_000_000_000_000_000) == 1_700_000_000_000_000_000
+    assert program_clock._strictly_after("time_ns", 1_700_000_000_000_000_000) == 1_700_000_000_000_000_001
+    # not installed (a fork's child holding names bound with `from time import time`): the real clocks
+    assert not program_clock._installed
+    assert abs(program_clock._time() - time.time()) < 1.0

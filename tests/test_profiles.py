@@ -14,6 +14,7 @@ from wire.profiles import (
     ProfileError,
     list_profiles,
     load_profile,
+    parse_field,
     profile_names,
     user_profile_dir,
 )
@@ -117,6 +118,19 @@ def test_missing_field_names_file_and_field(tmp_path):
     path = _write_variant(tmp_path, drop="compute_units")
     with pytest.raises(ProfileError, match=r"custom\.toml: missing field 'compute_units'"):
         load_profile(str(path))
+
+
+def test_a_profile_saved_before_nics_per_node_loads_with_one_nic(tmp_path):
+    # one NIC bounded a ring across nodes before the field existed: the old profile keeps that model
+    assert load_profile(str(_write_variant(tmp_path, drop="nics_per_node"))).nics_per_node == 1
+
+
+@pytest.mark.parametrize("key,value", [("nics_per_node", "0"), ("nic_gbps", "0.0"), ("hbm_tbps", "0")])
+def test_a_figure_the_cost_models_divide_by_is_never_zero(tmp_path, key, value):
+    with pytest.raises(ProfileError, match=rf"custom\.toml: field '{key}' must be greater than 0"):
+        load_profile(str(_write_variant(tmp_path, replace=(key, value))))
+    with pytest.raises(ProfileError, match=rf"field '{key}' must be greater than 0"):
+        parse_field(key, value)
 
 
 @pytest.mark.parametrize(

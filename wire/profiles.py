@@ -70,6 +70,16 @@ class Profile:
 
 
 _FIELD_TYPES: dict[str, type] = typing.get_type_hints(Profile)
+#: Fields added after user profiles were first written, with the value that keeps what the model did
+#: before them (one NIC bounded a ring across nodes), so a profile saved then still loads.
+_ADDED_LATER: dict[str, object] = {"nics_per_node": 1}
+#: Figures the cost models divide by: 0 is no hardware at all, refused where it is given.
+_POSITIVE = {"nics_per_node", "nic_gbps", "xgmi_gbps_per_link", "hbm_tbps"}
+
+
+def _check_positive(field: str, value: object) -> None:
+    if field in _POSITIVE and value <= 0:
+        raise ProfileError(f"field {field!r} must be greater than 0, got {value!r}")
 
 
 def _typed(field: str, value: object) -> object:
@@ -83,6 +93,7 @@ def _typed(field: str, value: object) -> object:
         value = float(value)
     if not isinstance(value, want) or isinstance(value, bool):
         raise ProfileError(f"field {field!r} must be {want.__name__}, got {type(value).__name__}")
+    _check_positive(field, value)
     return value
 
 
@@ -93,6 +104,9 @@ def _from_file(path: Path) -> Profile:
         raise ProfileError(f"{path}: {e}") from None
     values: dict[str, object] = {}
     for f in dataclasses.fields(Profile):
+        if f.name not in data and f.name in _ADDED_LATER:
+            values[f.name] = _ADDED_LATER[f.name]
+            continue
         if f.name not in data:
             raise ProfileError(f"{path}: missing field {f.name!r}")
         try:
@@ -198,6 +212,7 @@ def parse_field(field: str, text: str) -> object:
     # a data-sheet figure is never negative or infinite; such a value would only break the cost models later
     if not (math.isfinite(value) and value >= 0):
         raise ProfileError(f"field {field!r} must be a finite number of at least 0, got {text!r}")
+    _check_positive(field, value)
     return value
 
 

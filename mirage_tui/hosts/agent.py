@@ -3,12 +3,12 @@
 The head's session starts one agent per host with ``srun``. An agent connects
 to the session (CURVE over TCP: :mod:`mirage_tui.hosts.protocol`), says which
 host it is, and then does on its host what the session does on its own: starts
-the emulated nodes' programs the session sends it (:class:`~agent_protocol.Launch`),
+the emulated nodes' programs the session sends it (:class:`~mirage_tui.hosts.protocol.Launch`),
 reads their output (rank files in a local run directory, node pipes) and sends
 it on, reports each process's end, sends the ranks' clocked traces at the end, watches the host's rank processes for the
 daemon (which cannot see them), and dumps their stacks when a hang is reported.
 It stops everything it started, and every process that inherited its host tag,
-when the session says :class:`~agent_protocol.Done`, when it is signalled (``scancel``,
+when the session says :class:`~mirage_tui.hosts.protocol.Done`, when it is signalled (``scancel``,
 Ctrl-C through ``srun``), or when the session has been silent for
 ``SILENCE_S`` (its host died, or the network between them).
 

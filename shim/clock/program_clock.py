@@ -38,6 +38,7 @@ library here: it is installed before the program imports torch.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -84,7 +85,10 @@ def _is_wall(module: str) -> bool:
 
 def _caller_is_wall() -> bool:
     """Whether the function that called the patched clock belongs to a module that keeps wall time (a call with
-    no Python caller, from C, does)."""
+    no Python caller, from C, does), or the clock is not installed (a fork's child still holding the patched
+    functions under names it bound with ``from time import ...``)."""
+    if not _installed:
+        return True
     try:
         caller = sys._getframe(2)
     except ValueError:
@@ -107,40 +111,51 @@ def elapsed() -> float:
     return t
 
 
+def _strictly_after(key: str, value):
+    """``value``, or the next one after the thread's last reading of clock ``key`` when it is not later: a
+    1 ns step vanishes when added to a base such as ``time.time()``'s (one float step there is ~0.2 us)."""
+    local = _threads.__dict__
+    last = local.get(key)
+    if last is not None and value <= last:
+        value = math.nextafter(last, math.inf) if isinstance(value, float) else last + 1
+    local[key] = value
+    return value
+
+
 def _perf_counter() -> float:
     if _caller_is_wall():
         return perf_counter()
-    return _base[0] + elapsed()
+    return _strictly_after("perf_counter", _base[0] + elapsed())
 
 
 def _monotonic() -> float:
     if _caller_is_wall():
         return monotonic()
-    return _base[1] + elapsed()
+    return _strictly_after("monotonic", _base[1] + elapsed())
 
 
 def _time() -> float:
     if _caller_is_wall():
         return wall_time()
-    return _base[2] + elapsed()
+    return _strictly_after("time", _base[2] + elapsed())
 
 
 def _perf_counter_ns() -> int:
     if _caller_is_wall():
         return perf_counter_ns()
-    return _base[3] + round(elapsed() * 1e9)
+    return _strictly_after("perf_counter_ns", _base[3] + round(elapsed() * 1e9))
 
 
 def _monotonic_ns() -> int:
     if _caller_is_wall():
         return monotonic_ns()
-    return _base[4] + round(elapsed() * 1e9)
+    return _strictly_after("monotonic_ns", _base[4] + round(elapsed() * 1e9))
 
 
 def _time_ns() -> int:
     if _caller_is_wall():
         return wall_time_ns()
-    return _base[5] + round(elapsed() * 1e9)
+    return _strictly_after("time_ns", _base[5] + round(elapsed() * 1e9))
 
 
 def _sleep(seconds: float) -> None:
@@ -159,12 +174,12 @@ _REAL = {"perf_counter": perf_counter, "monotonic": monotonic, "time": wall_time
 def install() -> None:
     """Make the ``time`` module's clocks follow the rank's emulated time (clocked mode with
     ``MIRAGE_PROGRAM_CLOCK=emulated``); nothing otherwise, and nothing the second time."""
-    global _installed, _base
+    global _installed, _base, _threads
     settings = RUNTIME.settings
     if _installed or not (settings.clocked and settings.program_clock == "emulated"):
         return
     _installed = True
-    _threads.__dict__.clear()
+    _threads = threading.local()  # every thread starts afresh, not only this one
     _base = (perf_counter(), monotonic(), wall_time(), perf_counter_ns(), monotonic_ns(), wall_time_ns())
     for name, fn in _PATCHES.items():
         setattr(time, name, fn)

@@ -33,7 +33,7 @@ import ctypes
 
 import torch
 
-from shim.native import build as pinned_build
+from shim.native import build as native_build
 
 #: None once the C++ device guard is PrivateUse1's; otherwise why not (one line)
 GUARD_ERROR: str | None = "shim.cuda.engine.install() has not run"
@@ -54,8 +54,8 @@ def install() -> None:
 def _install_guard() -> None:
     global GUARD_ERROR, _guard_lib
     try:
-        _guard_lib = pinned_build.load(pinned_build.GUARD_SOURCE, "the device guard")
-    except pinned_build.BuildError as e:
+        _guard_lib = native_build.load(native_build.GUARD_SOURCE, "the device guard")
+    except native_build.BuildError as e:
         GUARD_ERROR = str(e)
     else:
         GUARD_ERROR = None if _guard_lib.mirage_register_device_guard() else "another device guard came first"

@@ -26,7 +26,7 @@ import weakref
 
 import torch
 
-from shim.native import build as pinned_build
+from shim.native import build as native_build
 
 #: None once the native allocator is torch's; otherwise why it is not (one line)
 NATIVE_ERROR: str | None = "shim.memory.pinned.install() has not run"
@@ -44,8 +44,8 @@ def install() -> None:
     """
     global NATIVE_ERROR, _native
     try:
-        _native = pinned_build.load(pinned_build.SOURCE, "the pinned host allocator")
-    except pinned_build.BuildError as e:
+        _native = native_build.load(native_build.SOURCE, "the pinned host allocator")
+    except native_build.BuildError as e:
         NATIVE_ERROR = str(e)
     else:
         NATIVE_ERROR = None if _native.mirage_register_pinned_host() else "other PrivateUse1 hooks came first"

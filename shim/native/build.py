@@ -4,9 +4,9 @@ The same way, ``build(source)`` builds the shim's other C++ (``SOURCES``: the
 backend's device guard, ``shim/native/device_guard.cpp``, the kernels of
 ``shim/native/fast_dispatch.cpp``, and ``shim/native/comms_native.cpp``, the collectives'
 profiler events and DDP's timer). Each is one C++ file against torch's headers,
-linked to ``libc10``/``libtorch_cpu``: the first two without Python or
-pybind11 compile in about 1.5 s; the third, which also needs Python's
-headers and ``libtorch_python``, in about 15 s. The library is cached in
+linked to ``libc10``/``libtorch_cpu``: those without Python or pybind11
+compile in about 1.5 s; those that also need Python's headers and
+``libtorch_python`` in about 15 s. The library is cached in
 ``$MIRAGE_CACHE_DIR`` if set, else in the virtual environment
 (``<venv>/lib/mirage/``; ``~/.cache/mirage/`` for a Python outside one or a
 venv we cannot write to), named by torch's version and a hash of the source

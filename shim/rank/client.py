@@ -37,7 +37,10 @@ class DaemonGone(dist.DistBackendError):
 
 
 def _pid_gone(pid: int) -> bool:
-    """True once ``pid`` has exited (a zombie counts as exited)."""
+    """True once ``pid`` has exited (a zombie counts as exited).
+
+    Not ``wire.procfs.alive``: a ``/proc`` entry that cannot be read for another reason counts as still
+    there, since a daemon wrongly taken for dead would fail a rank's collective that was about to finish."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")

@@ -1,7 +1,7 @@
 """Every ``MIRAGE_*`` variable the shim reads, read once from the environment.
 
 The session sets them when it starts a node's processes
-(``mirage_tui/launch_env.py``) and nothing changes them afterwards, so a
+(``mirage_tui/config/launch_env.py``) and nothing changes them afterwards, so a
 process reads them once, into one frozen :class:`Settings` that the rank's
 runtime holds (``shim.rank.runtime.RUNTIME.settings``). Two of them are also
 written, for a process's *descendants* only: ``MIRAGE_RANK_PID`` and

@@ -25,7 +25,7 @@ import torch
 
 from shim.device import state as dev
 from shim.memory.allocator import ALLOCATOR
-from shim.native import build as pinned_build
+from shim.native import build as native_build
 from shim.rank.runtime import RUNTIME
 from shim.tensor import wrapper as tensor
 from shim.tensor.wrapper import MirageTensor
@@ -100,8 +100,8 @@ def install() -> None:
         # Clocked mode times every kernel in Python (shim/clock/clock.py); a view launches none, so only the
         # views stay in C++ there.
         plain = [] if RUNTIME.settings.clocked else [_check_plain(op) for op in PLAIN_OPS]
-        lib = pinned_build.load(pinned_build.FAST_DISPATCH_SOURCE, "the fast dispatch kernels", ctypes.PyDLL)
-    except (AssertionError, pinned_build.BuildError) as e:  # another torch's schemas, or no build
+        lib = native_build.load(native_build.FAST_DISPATCH_SOURCE, "the fast dispatch kernels", ctypes.PyDLL)
+    except (AssertionError, native_build.BuildError) as e:  # another torch's schemas, or no build
         FAST_DISPATCH_ERROR = str(e)
         return
     register = lib.mirage_register_kernels

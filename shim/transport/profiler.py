@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from shim.native import build as pinned_build
+from shim.native import build as native_build
 
 #: the library, or None: see NATIVE_ERROR
 _native: ctypes.CDLL | None = None
@@ -33,8 +33,8 @@ def load() -> None:
     """Build (once, cached) and load the native library; on failure, :data:`NATIVE_ERROR` says why."""
     global _native, NATIVE_ERROR
     try:
-        lib = pinned_build.load(pinned_build.COMMS_SOURCE, "the collectives' profiler events and DDP's timer")
-    except pinned_build.BuildError as e:
+        lib = native_build.load(native_build.COMMS_SOURCE, "the collectives' profiler events and DDP's timer")
+    except native_build.BuildError as e:
         NATIVE_ERROR = str(e)
         return
     i64p = ctypes.POINTER(ctypes.c_int64)

@@ -106,7 +106,7 @@ class CollectiveWork(dist.Work):
     runs them — and a hook's nested collectives keep the same order on every rank.
     """
 
-    _profile = None  # the profiler's open event for this call (``comms_profiler.profiled``)
+    _profile = None  # the profiler's open event for this call (``shim.transport.profiler.profiled``)
 
     def __init__(self, result, last: Pending | None):
         super().__init__()
@@ -169,7 +169,7 @@ class P2PWork(dist.Work):
         self.deliver, self.device, self.tensors, self.request = deliver, device, tensors, request
         self.t_end = 0.0  # clocked mode: when it ends in emulated time (the daemon's answer)
         self._done = False
-        self._profile = None  # the profiler's open event for this message (``comms_profiler.profiled``)
+        self._profile = None  # the profiler's open event for this message (``shim.transport.profiler.profiled``)
 
     def wait(self, timeout=None) -> bool:
         if prof.listening():
