@@ -82,7 +82,7 @@ class Collectives:
     def post_p2p(self, client: bytes, req: s.Collective, payload: Payload | None) -> None:
         """A send or receive; the copy runs in the scheduler once both halves are posted."""
         try:
-            self.payloads.hold(client, req, payload, self.ledger.comms.get(req.comm))
+            self.payloads.hold(client, req, payload, self.ledger.comms)
             comm, pair = self.ledger.post_p2p(client, req)
         except (CommError, KernelError) as e:
             self.payloads.discard(client, req)
@@ -107,7 +107,7 @@ class Collectives:
                             f"{req.op.value} of {req.dtype} over {req.transport.value} cannot go rank to rank")
             return self.refuse_post(client, req, err)
         try:
-            self.payloads.hold(client, req, payload, self.ledger.comms.get(req.comm))
+            self.payloads.hold(client, req, payload, self.ledger.comms)
             comm, matched = self.ledger.post(client, req)
         except (CommError, KernelError) as e:
             self.payloads.discard(client, req)

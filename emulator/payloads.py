@@ -49,13 +49,16 @@ class SocketPayloads:
     def __init__(self) -> None:
         self._held: dict[str, dict[tuple[bytes, int], Payload]] = {}
 
-    def hold(self, client: bytes, req: s.Collective, payload: Payload | None, comm: Communicator | None) -> None:
+    def hold(self, client: bytes, req: s.Collective, payload: Payload | None, comms: dict[str, Communicator]) -> None:
         """Keep a socket-transport rank's bytes for its job; raise ``CommError`` unless they match its shape.
 
-        ``comm`` is the communicator the request names, None when the rank
-        never joined it (the ledger refuses that post: there is nothing to hold).
+        ``comms`` is the ledger's: a rank that never joined the communicator it names has nothing held (the
+        ledger refuses that post). Looked up only for the socket transport, not on every collective.
         """
-        if req.transport is not s.Transport.SOCKET or comm is None:
+        if req.transport is not s.Transport.SOCKET:
+            return
+        comm = comms.get(req.comm)
+        if comm is None:
             return
         want = input_elements(req, comm.size) * itemsize(req.dtype)
         got = 0 if payload is None else len(payload)
