@@ -122,40 +122,18 @@ def _strictly_after(key: str, value):
     return value
 
 
-def _perf_counter() -> float:
-    if _caller_is_wall():
-        return perf_counter()
-    return _strictly_after("perf_counter", _base[0] + elapsed())
+def _emulated(name: str, real, base: int, ns: bool):
+    """``time.<name>`` for the program: ``real()`` when a wall-time module calls it, else the reading of
+    ``_base[base]`` plus the thread's program time (in integer nanoseconds for an ``_ns`` clock)."""
 
+    def read():
+        if _caller_is_wall():
+            return real()
+        e = elapsed()
+        return _strictly_after(name, _base[base] + (round(e * 1e9) if ns else e))
 
-def _monotonic() -> float:
-    if _caller_is_wall():
-        return monotonic()
-    return _strictly_after("monotonic", _base[1] + elapsed())
-
-
-def _time() -> float:
-    if _caller_is_wall():
-        return wall_time()
-    return _strictly_after("time", _base[2] + elapsed())
-
-
-def _perf_counter_ns() -> int:
-    if _caller_is_wall():
-        return perf_counter_ns()
-    return _strictly_after("perf_counter_ns", _base[3] + round(elapsed() * 1e9))
-
-
-def _monotonic_ns() -> int:
-    if _caller_is_wall():
-        return monotonic_ns()
-    return _strictly_after("monotonic_ns", _base[4] + round(elapsed() * 1e9))
-
-
-def _time_ns() -> int:
-    if _caller_is_wall():
-        return wall_time_ns()
-    return _strictly_after("time_ns", _base[5] + round(elapsed() * 1e9))
+    read.__name__ = read.__qualname__ = name
+    return read
 
 
 def _sleep(seconds: float) -> None:
@@ -165,10 +143,12 @@ def _sleep(seconds: float) -> None:
         local["floor"] = max(local.get("floor", 0.0), local.get("last") or 0.0) + seconds
 
 
-_PATCHES = {"perf_counter": _perf_counter, "monotonic": _monotonic, "time": _time, "perf_counter_ns": _perf_counter_ns,
-            "monotonic_ns": _monotonic_ns, "time_ns": _time_ns, "sleep": _sleep}
 _REAL = {"perf_counter": perf_counter, "monotonic": monotonic, "time": wall_time, "perf_counter_ns": perf_counter_ns,
          "monotonic_ns": monotonic_ns, "time_ns": wall_time_ns, "sleep": sleep}
+#: each clock with its real function and its place in ``_base`` (install's order)
+_PATCHES = {name: _emulated(name, _REAL[name], i, name.endswith("_ns"))
+            for i, name in enumerate(("perf_counter", "monotonic", "time", "perf_counter_ns", "monotonic_ns", "time_ns"))}
+_PATCHES["sleep"] = _sleep
 
 
 def install() -> None:
