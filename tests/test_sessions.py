@@ -123,6 +123,8 @@ def test_a_killed_owner_leaves_a_dead_session_that_cleanup_removes(tmp_path):
     proc = _start_long_run(tmp_path, leave_a_process=True)
     try:
         entry = _training(tmp_path)
+        # killed once rank 0's output reached its log: the kill must not race the log the test expects kept
+        _until("rank 0's output in its log", lambda: (Path(entry["run_dir"]) / "rank-0.log").exists())
         os.kill(proc.pid, signal.SIGKILL)  # the owner only: its ranks die with it (PR_SET_PDEATHSIG)
         proc.communicate(timeout=30)
         _until("the session to be gone from the live list", lambda: _listed(tmp_path) == [])
