@@ -8,6 +8,8 @@ For every GPU count N and workload it runs, one after the other:
 - **mirage**: ``mirage run --num-nodes N/G --gpus-per-node G --nproc-per-node G -- python FIXTURE``
   (G = ``--gpus-per-node``, 8 as on an MI350X node; ``--launch torchrun`` starts one torchrun
   per node instead, ``torchrun --nnodes=$WORLD_SIZE --node_rank=$RANK ...``, as the demo does);
+- **fresh** (``--fork-server off`` or ``both``): the same with ``mirage run --fork-server off``, every rank
+  a fresh interpreter (``mirage`` rows: ranks forked from the session's fork server, the default);
 - **gloo** (unless ``--no-gloo``): the same fixture on plain CPU torch, ``torchrun --standalone
   --nproc_per_node=N FIXTURE`` with the fixture's gloo/cpu switches, no mirage anywhere.
 
@@ -156,7 +158,7 @@ class Result:
     run_dir: str = ""
 
 
-def classify(p: psutil.Process, fixture: str, root_pid: int) -> str:
+def classify(p: psutil.Process, fixture: str, root_pid: int, fork_server: bool = False) -> str:
     try:
         cmd = p.cmdline()
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
@@ -164,12 +166,17 @@ def classify(p: psutil.Process, fixture: str, root_pid: int) -> str:
     joined = " ".join(cmd)
     if p.pid == root_pid:
         return "session"
+    if "forkserver.server" in joined:  # the fork server, and the ranks it forked (which keep its cmdline)
+        try:
+            return "rank" if "forkserver.server" in " ".join(p.parent().cmdline()) else "forkserver"
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, AttributeError):
+            return "gone"
     if "-m emulator" in joined:
         return "daemon"
     if "torchrun" in joined or "torch.distributed.run" in joined:
         return "agent"
     if any(c.endswith(fixture) for c in cmd):
-        return "rank"
+        return "stub" if fork_server else "rank"  # with a fork server: what the launcher started, waiting
     return "other"
 
 
@@ -179,6 +186,7 @@ class Watch:
     def __init__(self, proc: subprocess.Popen, fixture: str, args):
         self.proc = proc
         self.fixture = fixture
+        self.fork_server = getattr(args, "backend_fork_server", False)
         self.args = args
         self.s = Sample()
         self.kinds: dict[int, str] = {}
@@ -206,7 +214,7 @@ class Watch:
         for p in self.tree():
             kind = self.kinds.get(p.pid)
             if kind is None or kind == "other":  # a rank's cmdline is final only after exec
-                kind = self.kinds[p.pid] = classify(p, self.fixture, self.proc.pid)
+                kind = self.kinds[p.pid] = classify(p, self.fixture, self.proc.pid, self.fork_server)
                 if kind == "daemon" and not self.session:
                     try:
                         cmd = p.cmdline()
@@ -332,7 +340,8 @@ def command(backend: str, workload: str, gpus: int, args) -> tuple[list[str], di
     if gpus % g:
         raise SystemExit(f"--gpus {gpus} is not a multiple of --gpus-per-node {g}")
     nodes = gpus // g
-    topo = [mirage_exe(), "run", "--num-nodes", str(nodes), "--gpus-per-node", str(g)]
+    topo = [mirage_exe(), "run", "--num-nodes", str(nodes), "--gpus-per-node", str(g),
+            "--fork-server", "off" if backend == "fresh" else "on"]
     if args.hang_timeout:
         topo += ["--hang-timeout", str(args.hang_timeout)]
     if args.launch == "mirage":
@@ -369,6 +378,7 @@ def events_times(run_dir: str, gpus: int, t0: float) -> tuple[float | None, floa
 
 def run_one(backend: str, workload: str, gpus: int, args) -> Result:
     r = Result(backend, workload, gpus)
+    args.backend_fork_server = backend == "mirage"
     cmd, env = command(backend, workload, gpus, args)
     avail = mem_available()
     if avail < args.min_avail_gib * 1024 ** 3 + args.need_mib_per_rank * MIB * gpus:
@@ -475,7 +485,7 @@ def ratios(results: list[Result]) -> None:
     by = {(r.backend, r.workload, r.gpus): r for r in results}
     lines = []
     for r in results:
-        if r.backend != "mirage":
+        if r.backend == "gloo":
             continue
         g = by.get(("gloo", r.workload, r.gpus))
         if not g or not (r.passed and g.passed):
@@ -483,17 +493,17 @@ def ratios(results: list[Result]) -> None:
         pss_m = r.mem.tree_pss / r.gpus
         pss_g = g.mem.tree_pss / g.gpus
         up = f"{r.up / g.up:5.2f}x" if r.up and g.up else "    -"
-        lines.append(f"{r.workload:5} {r.gpus:>4}  wall {r.wall / g.wall:5.2f}x   up {up}   "
+        lines.append(f"{r.backend:6} {r.workload:5} {r.gpus:>4}  wall {r.wall / g.wall:5.2f}x   up {up}   "
                      f"cpu {r.cpu_total / g.cpu_total:5.2f}x   "
                      f"PSS per GPU {pss_m / MIB:4.0f} vs {pss_g / MIB:4.0f} MiB ({pss_m / pss_g:4.2f}x)")
     if lines:
         print("\nmirage / gloo at the same world size (> 1: mirage needs more):")
         print("\n".join(lines))
-    ok = [r for r in results if r.backend == "mirage" and r.passed and r.mem.tree_pss]
+    ok = [r for r in results if r.backend != "gloo" and r.passed and r.mem.tree_pss]
     if ok:
         print("\nper emulated GPU (whole run's PSS peak / GPUs; daemon + session included):")
         for r in ok:
-            print(f"  {r.workload:5} {r.gpus:>4} GPUs: {r.mem.tree_pss / r.gpus / MIB:6.0f} MiB  "
+            print(f"  {r.backend:6} {r.workload:5} {r.gpus:>4} GPUs: {r.mem.tree_pss / r.gpus / MIB:6.0f} MiB  "
                   f"(largest rank PSS {r.mem.rank_pss_max / MIB:.0f}, USS {r.mem.rank_uss_max / MIB:.0f}; "
                   f"daemon RSS {r.mem.daemon_rss / MIB:.0f})")
 
@@ -505,6 +515,9 @@ def main() -> int:
     ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--launch", choices=["mirage", "torchrun"], default="mirage",
                     help="who starts the ranks under mirage: mirage (--nproc-per-node) or a torchrun per node")
+    ap.add_argument("--fork-server", choices=["on", "off", "both"], default="on",
+                    help="mirage's ranks forked from its fork server (on; 'mirage' in the tables), fresh "
+                    "interpreters (off; 'fresh'), or both, one after the other")
     ap.add_argument("--no-gloo", dest="gloo", action="store_false", help="skip the plain CPU torch + gloo runs")
     ap.add_argument("--steps", type=int, default=50, help="DDP steps (default 50, as the demo)")
     ap.add_argument("--timeout", type=float, default=900, help="stop a run after this many seconds")
@@ -534,7 +547,8 @@ def main() -> int:
     try:
         for gpus in args.gpus:
             for workload in args.workloads:
-                for backend in (["mirage", "gloo"] if args.gloo else ["mirage"]):
+                mirages = {"on": ["mirage"], "off": ["fresh"], "both": ["mirage", "fresh"]}[args.fork_server]
+                for backend in mirages + (["gloo"] if args.gloo else []):
                     r = run_one(backend, workload, gpus, args)
                     results.append(r)
                     print(f"    {'pass' if r.passed else 'FAIL'}: wall {r.wall:.1f} s, start-up "

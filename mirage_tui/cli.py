@@ -193,6 +193,14 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
         "wall leaves them alone (default)",
     )
     parser.add_argument(
+        "--fork-server",
+        choices=["on", "off"],
+        default="on",
+        help="on: the ranks on this machine fork from one process that imported torch once (start-up in "
+        "tens of ms, torch's memory shared; docs/scaling.md); off: each rank is a fresh interpreter, with "
+        "its own hash seed (default: on)",
+    )
+    parser.add_argument(
         "--log-dir",
         metavar="DIR",
         help="where to write the run's logs (default: under .mirage/runs)",
@@ -242,6 +250,7 @@ def _topology(ns: argparse.Namespace, command: tuple[str, ...] | None, help_prog
             clear_env=ns.clear_env_vars,
             debug_rank=ns.debug_rank,
             launcher=launcher,
+            fork_server=ns.fork_server == "on",
         )
         validate(topology)
         check_combination(topology)

@@ -40,10 +40,12 @@ def _start_long_run(tmp_path: Path, leave_a_process: bool = False) -> subprocess
     """A headless 2-GPU DDP run that trains until it is stopped; ``leave_a_process``: its node command
     also starts a background sleeper that nothing reaps if the owner is killed (what cleanup is for)."""
     torchrun = ["torchrun", "--standalone", "--nproc_per_node=2", str(FIXTURES / "ddp_mlp.py")]
+    flags = []
     if leave_a_process:
         torchrun = ["sh", "-c", f"{sys.executable} -c 'import time; time.sleep(300)' & exec {' '.join(torchrun)}"]
+        flags = ["--fork-server", "off"]  # a forked sleeper would end with the fork server, escaping nothing
     return subprocess.Popen(
-        [str(BIN / "mirage"), "run", "--log-dir", str(tmp_path / "runs"), "--gpus-per-node", "2", "--",
+        [str(BIN / "mirage"), "run", "--log-dir", str(tmp_path / "runs"), "--gpus-per-node", "2", *flags, "--",
          *torchrun],
         cwd=REPO_ROOT, env=_env(tmp_path, STEPS="10000000"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, start_new_session=True,

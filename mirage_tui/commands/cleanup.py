@@ -20,6 +20,7 @@ import psutil
 
 from mirage_tui.config import rundir
 from mirage_tui.config.topology import ExecMode, Topology
+from mirage_tui.hosts.fork_server import SOCKET_NAME as FORK_SERVER_SOCKET
 from mirage_tui.reports import report
 from mirage_tui.session import registry as sessions
 from mirage_tui.state.runstate import Outcome, RunState
@@ -29,7 +30,7 @@ from wire.endpoints import EVENT_SOCKET, FAST_SOCKET, RPC_SOCKET
 
 #: The exit code recorded for a session whose owner was killed (as a shell reports SIGKILL).
 KILLED_EXIT = 128 + signal.SIGKILL
-_SOCKETS = (RPC_SOCKET, EVENT_SOCKET, FAST_SOCKET)
+_SOCKETS = (RPC_SOCKET, EVENT_SOCKET, FAST_SOCKET, FORK_SERVER_SOCKET)
 
 
 @dataclass(frozen=True)

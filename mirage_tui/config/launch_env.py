@@ -30,6 +30,7 @@ class RankEnvironment:
     master_addr: str = "127.0.0.1"  # this machine, or node 0's host
     server_key: str = ""  # the daemon's CURVE public key, for a tcp:// endpoint
     daemon_pid: int | None = None  # on this machine: ranks stop waiting once it is gone
+    fork_server: str = ""  # the socket of this machine's fork server (forkserver.server); "" when none
 
 
 def node_env(where: RankEnvironment, node: int, master_port: int) -> dict[str, str]:
@@ -73,6 +74,8 @@ def node_env(where: RankEnvironment, node: int, master_port: int) -> dict[str, s
         env["MIRAGE_SERVER_KEY"] = where.server_key
     if where.daemon_pid is not None:  # ranks stop waiting for replies once it is gone
         env["MIRAGE_DAEMON_PID"] = str(where.daemon_pid)
+    if where.fork_server:  # Python processes hand themselves over to it (forkserver.handover)
+        env["MIRAGE_FORK_SERVER"] = where.fork_server
     if topo.hbm_bytes is not None:
         env["MIRAGE_HBM_BYTES"] = str(topo.hbm_bytes)
     if topo.faults:

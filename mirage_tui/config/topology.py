@@ -100,6 +100,8 @@ class Topology:
     debug_rank: int | None = None  # --debug-rank: this global rank waits for a debugger before its program runs
     # --launcher slurm: the nodes run on the hosts of the Slurm allocation, num_nodes / hosts on each
     launcher: Launcher = Launcher.LOCAL
+    # --fork-server: ranks on this machine are forked from one process that imported torch once
+    fork_server: bool = True
 
     @property
     def world_gpus(self) -> int:

@@ -34,7 +34,7 @@ class StartError(Exception):
         self.returncode = returncode
 
 
-def _die_with_starter():
+def die_with_starter():
     """A pre-exec hook: the process gets SIGTERM from the kernel if its starter dies, even by SIGKILL.
 
     Teardown covers every other ending; this covers the one where no code of ours runs. (Ranks that
@@ -62,7 +62,7 @@ def spawn(command: Sequence[str], env: dict[str, str], workdir: str | None, rank
     try:
         return subprocess.Popen(
             list(command), stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env,
-            cwd=workdir or None, start_new_session=True, preexec_fn=_die_with_starter(),
+            cwd=workdir or None, start_new_session=True, preexec_fn=die_with_starter(),
         )
     except (FileNotFoundError, PermissionError, NotADirectoryError) as e:
         what = "not found" if isinstance(e, FileNotFoundError) else "not executable"

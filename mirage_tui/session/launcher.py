@@ -19,6 +19,7 @@ from mirage_tui.config.launch_env import RankEnvironment, node_env, rank_env
 from mirage_tui.config.rundir import RunDir
 from mirage_tui.config.topology import Launcher, Topology, slurm_hosts
 from mirage_tui.hosts import protocol as ap
+from mirage_tui.hosts.fork_server import ForkServer
 from mirage_tui.hosts.head import Hosts, HostsError, RemoteProcess
 from mirage_tui.hosts.processes import TERM_GRACE_S, StartError, free_port, signal_group, spawn
 from mirage_tui.output import pump_pipe
@@ -57,6 +58,7 @@ class NodeLauncher:
         self._exited: list[int] = []  # indexes into procs of the processes seen ended, in that order
         self.hosts: Hosts | None = None  # a multi-host run (--launcher slurm): the hosts' agents
         self._master_addr = "127.0.0.1"  # MASTER_ADDR: this machine, or the host of node 0
+        self.fork_server: ForkServer | None = None  # this machine's, while it runs (--fork-server on)
 
     def where(self) -> RankEnvironment:
         """What every launched process is told about this session (:mod:`mirage_tui.config.launch_env`)."""
@@ -66,6 +68,7 @@ class NodeLauncher:
             endpoint=daemon.tcp_endpoint or endpoints(self.run.path)[0], master_addr=self._master_addr,
             server_key=daemon.server_key if daemon.tcp_endpoint else "",
             daemon_pid=daemon.proc.pid if daemon.proc is not None and not daemon.tcp_endpoint else None,
+            fork_server=self.fork_server.path if self.fork_server is not None else "",
         )
 
     def node_env(self, node: int, master_port: int) -> dict[str, str]:
@@ -81,6 +84,7 @@ class NodeLauncher:
         if self.topology.launcher is Launcher.SLURM:
             return self._start_on_hosts()
         port = free_port()
+        self._start_fork_server(port)
         for node in range(self.topology.num_nodes):  # for 'mirage exec SESSION --node N'
             sessions.write_node_env(self.run.path, node, self.node_env(node, port))
         nproc = self.topology.nproc_per_node
@@ -90,6 +94,18 @@ class NodeLauncher:
                 continue
             for local in range(nproc):
                 self._launch(node, node * nproc + local, self.rank_env(node, local, port))
+
+    def _start_fork_server(self, port: int) -> None:
+        """Start this machine's fork server, with the environment the nodes get (without it, ranks start as
+        fresh interpreters, as with ``--fork-server off``)."""
+        if not self.topology.fork_server or self.topology.in_process:
+            return
+        server = ForkServer(self.run.path)
+        if server.start(self.node_env(0, port)):
+            self.fork_server = server
+        else:
+            self.journal.emit(s.OutputLine(node=0, stream=s.Stream.STDERR, text=(
+                f"mirage: the fork server did not start (see {server.log}); ranks start as new interpreters")))
 
     def _launch(self, node: int, rank: int | None, env: dict[str, str]) -> None:
         """Start the command as node ``node``'s process, or as its rank ``rank``; track it at once
@@ -197,7 +213,9 @@ class NodeLauncher:
             self._note_exit(i)
 
     def finish(self) -> None:
-        """End the hosts' agents, if any (after :meth:`terminate`)."""
+        """End the fork server and the hosts' agents, if any (after :meth:`terminate`)."""
+        if self.fork_server is not None:
+            self.fork_server.stop()
         if self.hosts is not None:
             self.hosts.finish()
 

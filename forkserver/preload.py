@@ -1,0 +1,102 @@
+"""What the fork server imports before it forks any rank, and which variables those imports read.
+
+A forked rank is only the process its command line asks for if these modules
+loaded as they would have in it: :func:`import_time_env` names the variables
+that must then agree between the server and the rank (``forkserver.server.refusal``).
+"""
+
+from __future__ import annotations
+
+import _collections_abc as _abc
+import gc
+import importlib
+import os
+import sys
+
+from forkserver.protocol import SERVER_ENV
+
+#: what ranks import and a fresh interpreter would spend its start-up on (torch alone: ~1.5 s of CPU): the
+#: shim's imports (Triton where installed: torch's FLOP counter imports it), what the first op on an emulated
+#: tensor imports (torch.distributed.tensor, for any tensor subclass) and torch.optim's torch._dynamo
+PRELOAD = ("numpy", "torch", "torch.distributed", "torch.nn.parallel", "torch.distributed.fsdp",
+           "torch.distributed.tensor", "torch.optim", "torch._dynamo", "torch.utils.flop_counter",
+           "torch.utils.module_tracker", "zmq", "statistics", "sysconfig", "shlex", "tomllib",
+           # mirage's wire library: what rank and daemon say (its dataclasses cost the most to build);
+           # plain definitions, no state of a rank
+           *(f"wire.{m}" for m in ("messages", "codec", "schema", "arena", "profiles", "collective_cost",
+                                   "collective_timing", "kernels", "kineto_trace", "faults", "procfs", "endpoints")))
+#: variables that the interpreter and the native libraries under torch read as they load (C's getenv,
+#: which the server cannot watch); those read from Python while the modules load are recorded (:func:`preload`)
+_NATIVE_READS = ("PYTHON", "KMP_", "GOMP_", "OPENBLAS_", "MKL_", "LD_", "MALLOC_")
+#: among those, the ones read later, or applied to the rank after it forked (program.become)
+_READ_LATER = ("PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONIOENCODING", "MKL_NUM_THREADS")
+#: where a walk of the whole environment reads each variable (os.environ.copy(), .items(): 3.11 freezes both)
+_WALKERS = frozenset({os.__file__, _abc.__file__, "<frozen os>", "<frozen _collections_abc>"})
+#: the variables the preloaded modules read from os.environ while they loaded (filled by preload)
+READ_FROM_PYTHON: set[str] = set()
+#: the server's environment as the preloaded modules found it, and what they added to it themselves
+#: (torch._inductor's cache_dir() writes its default into TORCHINDUCTOR_CACHE_DIR)
+_BEFORE: dict[str, str] = {}
+_SET_BY_IMPORT: dict[str, str] = {}
+
+
+def env_mismatch(env: dict[str, str]) -> str | None:
+    """The first variable the preloaded modules (or the interpreter) read while they loaded whose value in
+    ``env`` is not the one they saw; None if a rank with ``env`` would have loaded them the same way."""
+    native = {k for k in env.keys() | _BEFORE.keys() if k.startswith(_NATIVE_READS) and not k.startswith(_READ_LATER)}
+    for k in sorted(native | READ_FROM_PYTHON):
+        theirs = env.get(k)
+        if k == SERVER_ENV or theirs == _BEFORE.get(k):
+            continue
+        if k in _SET_BY_IMPORT and theirs in (None, _SET_BY_IMPORT[k]):
+            continue  # the modules set it so, here or in the process that passed it on
+        return k
+    return None
+
+
+def preload() -> None:
+    """Import what every rank imports, once, before any rank is forked."""
+    _BEFORE.update(os.environ)
+    # as the shim sets it in every rank before Triton loads (shim.compile.triton_runtime.prepare): the
+    # @triton.jit functions of Triton's own library are then the interpreter's
+    os.environ["TRITON_INTERPRET"] = "1"
+    environ = type(os.environ)
+    saved = {name: environ.__dict__.get(name) for name in ("__getitem__", "get", "__contains__")}
+    getitem = environ.__getitem__
+
+    def get(self, key, default=None):
+        READ_FROM_PYTHON.add(key)
+        try:
+            return getitem(self, key)
+        except KeyError:
+            return default
+
+    def contains(self, key):
+        READ_FROM_PYTHON.add(key)
+        try:
+            getitem(self, key)
+        except KeyError:
+            return False
+        return True
+
+    def item(self, key):  # os.environ[KEY]; not a copy or walk of the whole environment (os.environ.copy())
+        if sys._getframe(1).f_code.co_filename not in _WALKERS:
+            READ_FROM_PYTHON.add(key)
+        return getitem(self, key)
+
+    environ.__getitem__, environ.get, environ.__contains__ = item, get, contains  # os.getenv calls get
+    try:
+        for name in PRELOAD:
+            importlib.import_module(name)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                delattr(environ, name)
+            else:
+                setattr(environ, name, value)
+    READ_FROM_PYTHON.discard("TRITON_INTERPRET")  # set above, as the shim sets it in every rank
+    _SET_BY_IMPORT.update({k: v for k, v in os.environ.items() if k not in _BEFORE})
+    gc.collect()
+    gc.freeze()
+
+
