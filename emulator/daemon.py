@@ -234,7 +234,8 @@ class Daemon:
         """A rank's process registers; the last registration of a rank is the one watched."""
         self.reply(client, s.Ok(req=msg.req))
         self.ranks.register(msg.rank, msg.pid, msg.host)
-        self.events.publish(s.RankRegistered(rank=msg.rank, node=msg.node, pid=msg.pid, host=msg.host))
+        self.events.publish(s.RankRegistered(rank=msg.rank, node=msg.node, pid=msg.pid, host=msg.host,
+                                             launched_pid=msg.launched_pid))
 
     def _rank_exited(self, client: bytes, msg: s.RankExited, fds: Sequence[int], payload: Payload | None) -> None:
         """The session says a process of another host exited (this daemon cannot see it)."""

@@ -37,6 +37,9 @@ READ_FROM_PYTHON: set[str] = set()
 #: the server's environment as the preloaded modules found it, and what they added to it themselves
 #: (torch._inductor's cache_dir() writes its default into TORCHINDUCTOR_CACHE_DIR)
 _BEFORE: dict[str, str] = {}
+#: the top-level packages the preload brought in (torch, numpy, triton, sympy, wire, ...): the shim's hooks on
+#: them wait for the program's own first import of each (shim.import_hooks.wait_for_program)
+LOADED: set[str] = set()
 _SET_BY_IMPORT: dict[str, str] = {}
 
 
@@ -57,6 +60,7 @@ def env_mismatch(env: dict[str, str]) -> str | None:
 def preload() -> None:
     """Import what every rank imports, once, before any rank is forked."""
     _BEFORE.update(os.environ)
+    there = {name.partition(".")[0] for name in sys.modules}
     # as the shim sets it in every rank before Triton loads (shim.compile.triton_runtime.prepare): the
     # @triton.jit functions of Triton's own library are then the interpreter's
     os.environ["TRITON_INTERPRET"] = "1"
@@ -95,6 +99,7 @@ def preload() -> None:
             else:
                 setattr(environ, name, value)
     READ_FROM_PYTHON.discard("TRITON_INTERPRET")  # set above, as the shim sets it in every rank
+    LOADED.update({name.partition(".")[0] for name in sys.modules} - there)
     _SET_BY_IMPORT.update({k: v for k, v in os.environ.items() if k not in _BEFORE})
     gc.collect()
     gc.freeze()

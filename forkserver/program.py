@@ -54,7 +54,7 @@ def sys_path0(h: Handover) -> str | None:
     return h.cwd if kind == "module" else ""
 
 
-def become(h: Handover, fds: list[int], server: int) -> None:
+def become(h: Handover, fds: list[int], server: int, stub: int) -> None:
     """Turn this freshly forked child of the server into the process ``h`` describes."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # the server's end (the session's) is this rank's
@@ -66,6 +66,7 @@ def become(h: Handover, fds: list[int], server: int) -> None:
     os.umask(h.umask)
     os.environ.clear()
     os.environ.update(h.env)
+    os.environ["MIRAGE_FORKED_AS"] = f"{os.getpid()}:{stub}"  # the shim names the stub as what was launched
     sys.argv, sys.orig_argv = list(h.argv), list(h.orig_argv)
     sys.path[:] = h.path
     _stdio(h.stdio, set(h.fds))
@@ -153,10 +154,10 @@ def run(h: Handover) -> None:
     if first is not None:
         sys.path.insert(0, first)
     if os.environ.get("MIRAGE_SESSION"):  # what sitecustomize does in a session's process
-        from forkserver.preload import PRELOAD
+        from forkserver.preload import LOADED
         from shim import bootstrap, import_hooks
 
-        import_hooks.wait_for_program({name.partition(".")[0] for name in PRELOAD})
+        import_hooks.wait_for_program(LOADED)
         bootstrap.boot()
     try:
         _exec_main(kind, value)

@@ -20,6 +20,7 @@ import os
 import selectors
 import signal
 import socket
+import struct
 import sys
 
 from forkserver.preload import PRELOAD, env_mismatch, preload
@@ -82,7 +83,7 @@ class _Server:
     def _stop(self, *_):
         self.stopping = True
 
-    def loop(self) -> tuple[Handover, list[int], int] | None:
+    def loop(self) -> tuple[Handover, list[int], int, int] | None:
         """Serve until told to stop; in a forked rank, return what it is to become."""
         while not (self.stopping and not self.children):
             for key, _ in self.sel.select(timeout=1.0):
@@ -104,7 +105,7 @@ class _Server:
                 self.listener.close()
         return None
 
-    def _accept(self) -> tuple[Handover, list[int], int] | None:
+    def _accept(self) -> tuple[Handover, list[int], int, int] | None:
         try:
             conn, _ = self.listener.accept()
         except OSError:
@@ -124,11 +125,12 @@ class _Server:
                 os.close(fd)
             return None
         server = os.getpid()
+        stub = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
         pid = os.fork()
         if pid == 0:
             signal.set_wakeup_fd(-1)
             self.sel.close()
-            return h, fds, server
+            return h, fds, server, stub
         for fd in fds:
             os.close(fd)
         _reply(conn, f"pid {pid}")
@@ -184,7 +186,7 @@ def _kill(pid: int, sig: int) -> None:
         pass
 
 
-def serve(path: str) -> tuple[Handover, list[int], int] | None:
+def serve(path: str) -> tuple[Handover, list[int], int, int] | None:
     """Listen on ``path``, preload, serve; return only in a forked rank (what it becomes), or None at the end."""
     server = _Server(path)
     preload()

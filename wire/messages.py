@@ -140,6 +140,7 @@ class Hello(Request):
     node: int = 0
     pid: int = 0
     host: str = ""  # the machine it runs on (its hostname): the daemon checks only its own host's pids
+    launched_pid: int = 0  # the process its launcher started, if a fork server forked this one (its stub)
 
 
 @dataclass(frozen=True)
@@ -346,6 +347,7 @@ class RankRegistered(Event):
     node: int = 0
     pid: int = 0
     host: str = ""
+    launched_pid: int = 0  # the fork server's stub the launcher watches; 0: pid is what it started
 
 
 @dataclass(frozen=True)

@@ -165,7 +165,7 @@ class Session:
             return (f"host {agent.host} was lost ({agent.lost}); it ran node(s) {nodes}, ranks {{{ranks}}}; "
                     f"its output up to then is in {self.run.path}/rank-*.log")
         # with direct launch the node process is the rank itself; with --nproc-per-node mirage knows its rank
-        who = next((f"rank {r}" for r, p in self.state.rank_pids.items() if p == pid), f"node {node}")
+        who = next((f"rank {r}" for r, p in self.state.launched_pids.items() if p == pid), f"node {node}")
         if launched.rank is not None:
             who = f"rank {launched.rank}"
         if who.startswith("node") and is_torchrun_agent(["", *self.topology.command]):

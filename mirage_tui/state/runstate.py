@@ -185,6 +185,8 @@ class RunState:
     comms: dict[str, CommState] = field(default_factory=dict)
     ranks: dict[int, RankStatus] = field(default_factory=dict)
     rank_pids: dict[int, int] = field(default_factory=dict)  # the latest registration's pid
+    #: the pid each rank's launcher started (its fork server stub, else the rank's own): the latest registration's
+    launched_pids: dict[int, int] = field(default_factory=dict)
     gone: list[int] = field(default_factory=list)  # in the order the daemon noticed them
     nodes: int = 0  # as the daemon announced them
     node_exits: dict[int, int] = field(default_factory=dict)
@@ -236,6 +238,7 @@ class RunState:
 
     def _registered(self, e: s.RankRegistered) -> Changed:
         self.rank_pids[e.rank] = e.pid
+        self.launched_pids[e.rank] = e.launched_pid or e.pid
         status = self._rank(e.rank)
         if status.node is None:  # a launcher's child that claims the rank later keeps its parent's place
             status.node, status.pid, status.registered_at = e.node, e.pid, e.t
@@ -380,7 +383,7 @@ class RunState:
             if e.returncode == 0:
                 status.exited_ok = True
                 status.failed = False  # a traceback it printed and handled
-            elif status.raised or self.rank_pids.get(rank) == e.pid:
+            elif status.raised or self.launched_pids.get(rank) == e.pid:
                 status.failed = True  # launched directly, the node process is the rank: its code is the rank's
         return Changed.RANKS
 

@@ -21,7 +21,9 @@ def register_rank(rank: int) -> None:
     from wire.schema import Hello
 
     node = RUNTIME.settings.node_rank
-    hello = Hello(rank=rank, node=node, pid=os.getpid(), host=socket.gethostname())
+    launched = RUNTIME.settings.launched_pid
+    hello = Hello(rank=rank, node=node, pid=os.getpid(), host=socket.gethostname(),
+                  launched_pid=0 if launched == os.getpid() else launched)
     RUNTIME.client().request(hello)
     if RUNTIME.host_client() is not None:  # a multi-host run: this host's daemon watches the process too
         RUNTIME.host_client().request(hello)

@@ -75,8 +75,18 @@ class Settings:
     claimed_rank: str | None = None
     #: MIRAGE_DEBUG_RANK: the rank ``--debug-rank`` stops for a debugger before its program runs
     debug_rank: str | None = None
+    #: MIRAGE_FORKED_AS: "<pid>:<stub pid>" in a rank the session's fork server forked (forkserver.program):
+    #: the stub is the process its launcher started and watches
+    forked_as: str = ""
     #: MIRAGE_DEBUGGER: which debugger that rank waits for, ``pdb`` or ``debugpy``
     debugger: str = "pdb"
+
+    @property
+    def launched_pid(self) -> int:
+        """The pid this process's launcher started and watches: its fork server stub's if the server forked
+        this very process (not a child it forked in turn), else its own."""
+        pid, _, stub = self.forked_as.partition(":")
+        return int(stub) if pid == str(os.getpid()) and stub.isdigit() else os.getpid()
     #: MIRAGE_ZERO_COPY: when a tensor's storage becomes the daemon's buffer: reuse (from its 2nd collective),
     #: always, off (``shim.transport.shared_buffers``)
     zero_copy: str = "reuse"
@@ -119,6 +129,7 @@ class Settings:
             rank_pid=env.get("MIRAGE_RANK_PID"),
             claimed_rank=env.get("MIRAGE_CLAIMED_RANK"),
             debug_rank=env.get("MIRAGE_DEBUG_RANK"),
+            forked_as=env.get("MIRAGE_FORKED_AS", ""),
             debugger=env.get("MIRAGE_DEBUGGER", "pdb"),
             zero_copy=env.get("MIRAGE_ZERO_COPY", "reuse").lower(),
             zero_copy_min_bytes=_int(env, "MIRAGE_ZERO_COPY_MIN_BYTES", 256 << 10),
