@@ -31,7 +31,7 @@ import sys
 
 import torch
 
-from shim.memory.allocator import ALLOCATOR
+from shim.rank.runtime import RUNTIME
 from shim.tensor.wrapper import BACKEND_DEVICE, MirageTensor
 
 
@@ -41,7 +41,7 @@ def _on_host(resize):
         if not isinstance(tensor, MirageTensor):
             return resize(tensor)
         result = resize(tensor._elem)
-        ALLOCATOR.moved(tensor)  # the GPU's books follow: freed at size 0, counted again when re-allocated
+        RUNTIME.allocator.moved(tensor)  # the GPU's books follow: freed at size 0, counted again when re-allocated
         return result
 
     return wrapped

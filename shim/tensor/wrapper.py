@@ -24,7 +24,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 
 from shim.device import deferred, rng
 from shim.device import state as dev
-from shim.memory.allocator import ALLOCATOR
+from shim.memory import allocator  # noqa: F401 - it builds RUNTIME.allocator
 from shim.ops import attention
 from shim.ops.functional import functional_collective, traced_collective
 from shim.rank.runtime import RUNTIME
@@ -76,7 +76,7 @@ class MirageTensor(torch.Tensor):
     def __del__(self):
         # the last wrapper of a storage frees it on its GPU (torch.cuda.memory_allocated drops)
         if self._mem:
-            ALLOCATOR.release(self._mem)
+            RUNTIME.allocator.release(self._mem)
 
     @property
     def device(self) -> torch.device:  # type: ignore[override]
@@ -406,7 +406,7 @@ def _same_wrapper(w: MirageTensor, o: torch.Tensor, gpu: int) -> MirageTensor:
         # Python object (set_data), since callers, and C++ composites such as arange that return
         # their own out tensor, keep their reference to it.
         w.data = _new(o, gpu, None)
-        ALLOCATOR.moved(w)  # a resize may have re-allocated the storage: the GPU's books follow
+        RUNTIME.allocator.moved(w)  # a resize may have re-allocated the storage: the GPU's books follow
     return w
 
 
@@ -441,7 +441,7 @@ def _new(elem: torch.Tensor, gpu: int, src: MirageTensor | None) -> MirageTensor
     if type(elem) is not torch.Tensor and traced(elem):
         return r  # no memory of its own: what the compiled code allocates is counted once wrapped
     if src is None:
-        r._mem = ALLOCATOR.hold(elem, gpu)
+        r._mem = RUNTIME.allocator.hold(elem, gpu)
     else:
         r._src = src
     return r
@@ -487,7 +487,7 @@ def _empty_memory_format(size, dtype=None, layout=None, device=None, pin_memory=
     if not RUNTIME.device.initialized:
         dev.initialize()  # every cuda tensor made from scratch starts in one of these two factories
     gpu = dev.allocation_device()
-    ALLOCATOR.check(gpu, math.prod(size) * _itemsize(dtype))  # before the host allocates it
+    RUNTIME.allocator.check(gpu, math.prod(size) * _itemsize(dtype))  # before the host allocates it
     elem = torch.empty(size, dtype=dtype, layout=layout, memory_format=memory_format)
     return MirageTensor(elem, gpu)
 
@@ -498,7 +498,7 @@ def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memor
     gpu = dev.allocation_device()
     if all(n > 0 for n in size):
         extent = 1 + sum((n - 1) * st for n, st in zip(size, stride))
-        ALLOCATOR.check(gpu, extent * _itemsize(dtype))
+        RUNTIME.allocator.check(gpu, extent * _itemsize(dtype))
     elem = torch.empty_strided(size, stride, dtype=dtype, layout=layout)
     return MirageTensor(elem, gpu)
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shim.memory.allocator import ALLOCATOR
+from shim.memory import allocator  # noqa: F401 - it builds RUNTIME.allocator
 from shim.rank.runtime import RUNTIME
 from shim.transport import nccl_debug
 from wire import schema as s
@@ -142,7 +142,7 @@ class SharedBuffers:
             return storage.data_ptr()
 
         try:
-            if not ALLOCATOR.rehome(owner, move):
+            if not RUNTIME.allocator.rehome(owner, move):
                 return None  # other wrappers count the storage at its old address
         except (RuntimeError, OSError):
             return None  # e.g. already shared by file name (torch.multiprocessing's file_system strategy)
