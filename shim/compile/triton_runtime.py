@@ -40,6 +40,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from types import MappingProxyType
 
 from shim.compile import triton_libdevice
 from shim.import_hooks import after_import
@@ -409,10 +410,10 @@ def _patch_lang_once(interpreter) -> None:
 
 
 #: what the interpreter's builder raises (NotImplementedError) -> the construct, in the kernel's words
-_CONSTRUCTS = {
+_CONSTRUCTS = MappingProxyType({
     "inline_asm": "tl.inline_asm_elementwise (inline assembly)",
     "extern_elementwise": "tl.extern_elementwise (a call into an external device library)",
-}
+})
 
 
 def _unsupported_construct(error: BaseException) -> str | None:

@@ -34,7 +34,7 @@ BACKEND_DEVICE = torch.device(BACKEND, 0)
 
 _aten = torch.ops.aten
 # ops that legitimately take CPU tensors alongside cuda ones
-_MIXED_OK = {
+_MIXED_OK = frozenset({
     _aten.copy_.default,
     _aten._to_copy.default,
     _aten.index.Tensor,
@@ -42,11 +42,11 @@ _MIXED_OK = {
     _aten._index_put_impl_.default,
     _aten.index_put.default,
     _aten.lift_fresh.default,
-}
+})
 
 
 #: ops that copy a tensor to another device (``cpu``: off the emulated GPU)
-_LEAVING_OPS = {_aten._to_copy.default, _aten.to.dtype_layout, _aten.to.device}
+_LEAVING_OPS = frozenset({_aten._to_copy.default, _aten.to.dtype_layout, _aten.to.device})
 
 
 class _CudaStorage(torch.UntypedStorage):
@@ -178,12 +178,12 @@ class MirageTensor(torch.Tensor):
 _PLAIN, _TO, _DROPOUT, _DROPOUT_BACKWARD, _COLLECTIVE, _KERNEL, _RANDOM = range(7)
 #: ops that wait for the GPU to hand a value or a size to the host (what set_sync_debug_mode flags; D2H copies
 #: and boolean-mask indexing are told apart by their arguments, in _synchronizes)
-_SYNCING = {_aten._local_scalar_dense.default, _aten.nonzero.default, _aten.masked_select.default,
-            _aten._unique2.default, _aten.unique_dim.default, _aten.unique_consecutive.default,
-            _aten.repeat_interleave.Tensor}
+_SYNCING = frozenset({_aten._local_scalar_dense.default, _aten.nonzero.default, _aten.masked_select.default,
+                      _aten._unique2.default, _aten.unique_dim.default, _aten.unique_consecutive.default,
+                      _aten.repeat_interleave.Tensor})
 #: schema types that never hold a tensor or a device (SymInt is IntType here)
-_NO_TENSOR = {"IntType", "BoolType", "NumberType", "FloatType", "StringType", "ComplexType", "GeneratorType",
-              "AnyEnumType"}
+_NO_TENSOR = frozenset({"IntType", "BoolType", "NumberType", "FloatType", "StringType", "ComplexType",
+                        "GeneratorType", "AnyEnumType"})
 
 
 def _tensor_slot(t) -> bool | None:
