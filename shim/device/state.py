@@ -64,12 +64,12 @@ class DeviceState:
     initialized: bool = False
 
     #: run once, on the first use of a GPU (torch.cuda's queued lazy calls, e.g. seeds set before it)
-    on_initialize: list = field(default_factory=list)
+    on_initialize: list = field(default_factory=list, repr=False, compare=False)
     #: one shim.device.rng.DeviceGenerator per GPU (torch.cuda.default_generators), made by that module
-    generators: tuple = ()
+    generators: tuple = field(default=(), repr=False, compare=False)
     #: errors of kernels run on the autograd engine's threads, for backward()'s caller (shim.device.deferred)
-    kept_errors: list = field(default_factory=list)
-    kept_lock: threading.Lock = field(default_factory=threading.Lock)
+    kept_errors: list = field(default_factory=list, repr=False, compare=False)
+    kept_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
     def count(self) -> int:
