@@ -6,11 +6,12 @@ runtime is rebuilt), and kept by the rank's runtime (``RUNTIME.device``,
 ``shim.rank.runtime``), which every layer reaches; its class stays in this
 layer. It also holds the device layer's other per-rank state: the default
 generators (``shim.device.rng``), the kernel errors kept for ``backward()``
-(``shim.device.deferred``) and what runs on the first use of a GPU. The current device is
-the main thread's for every thread that never chose one, and a thread's own
-once it has (``set_device``, ``with torch.cuda.device(i)``), as CUDA's is:
-``nn.DataParallel`` runs each replica in a thread that moves to its GPU, and
-the main thread must stay where it was. Threads that never choose (C++ code
+(``shim.device.deferred``) and what runs on the first use of a GPU.
+
+The current device is the main thread's for every thread that never chose
+one, and a thread's own once it has (``set_device``, ``with
+torch.cuda.device(i)``), as CUDA's is: ``nn.DataParallel`` runs each replica
+in a thread that moves to its GPU, and the main thread must stay where it was. Threads that never choose (C++ code
 such as the autograd engine allocating on its own threads) agree with the
 main thread, where a CUDA thread would start on device 0.
 """
