@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-_done = False
-
+from shim.rank.runtime import RUNTIME
 
 class _Backend:
     """The device module torch keeps for the renamed PrivateUse1 backend."""
@@ -41,10 +40,8 @@ class _Backend:
 
 def activate() -> None:
     """Register the backend, the tensor subclass factories, the cuda surface and the mode."""
-    global _done
-    if _done:
+    if not RUNTIME.once.first("activate"):
         return
-    _done = True
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
     from shim.cuda import engine
@@ -55,7 +52,6 @@ def activate() -> None:
     engine.install()  # and the C++ device guard (the first registered is kept too)
     _setup_privateuseone_for_python_backend(rename=BACKEND, backend_module=_Backend())
     from shim.clock import clock
-    from shim.rank.runtime import RUNTIME
 
     # before anything that registers an exit hook: the rank's trace is written after the collectives
     # still in flight have completed (exit hooks run last registered first)
@@ -95,7 +91,6 @@ def activate() -> None:
 def _register_rank() -> None:
     """Tell the daemon which pid is which rank, so the console can name it (the rank claimed at start-up)."""
     from shim.comm import registration
-    from shim.rank.runtime import RUNTIME
 
     if RUNTIME.claimed_rank is not None:
         registration.register_rank(RUNTIME.claimed_rank)

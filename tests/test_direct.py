@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from daemon_client import TIMEOUT_S, Events, FastClient, fast_group, stamped
 
+from shim.rank.runtime import RUNTIME
 from shim.transport import direct
 from wire import schema as s
 from wire.arena import session_segments
@@ -128,7 +129,7 @@ def test_counters_compare_across_the_wrap():
 
 
 def test_which_collectives_go_rank_to_rank():
-    small = direct.MAX_BYTES
+    small = RUNTIME.staging.direct_max_bytes
     assert direct.eligible(C.ALLREDUCE, small, "float32", s.ReduceOp.SUM)
     assert direct.eligible(C.BROADCAST, 8, "bfloat16", s.ReduceOp.SUM)
     assert direct.eligible(C.BARRIER, 0, "float32", s.ReduceOp.SUM)

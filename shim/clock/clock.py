@@ -35,6 +35,7 @@ import atexit
 import os
 import sys
 import threading
+from types import MappingProxyType
 
 import torch
 
@@ -51,13 +52,15 @@ HOST_LINK_BYTES_PER_S = 64e9 * 0.8
 COMM_STREAM_BASE = 1 << 20
 
 #: how a collective's kernel is named in the trace, as ProcessGroupNCCL names its profiler events
-_COLL_NAMES = {"allreduce": "all_reduce", "allgather": "all_gather", "reduce_scatter": "reduce_scatter",
-               "alltoall": "all_to_all", "broadcast": "broadcast", "reduce": "reduce", "gather": "gather",
-               "scatter": "scatter", "barrier": "barrier", "send": "send", "recv": "recv"}
+_COLL_NAMES = MappingProxyType({
+    "allreduce": "all_reduce", "allgather": "all_gather", "reduce_scatter": "reduce_scatter", "alltoall": "all_to_all",
+    "broadcast": "broadcast", "reduce": "reduce", "gather": "gather", "scatter": "scatter", "barrier": "barrier",
+    "send": "send", "recv": "recv"})
 
 _aten = torch.ops.aten
 # by id: OpOverload.__hash__ is a Python method, and charge() asks of every op
-_SCALAR_READS = {id(op) for op in (_aten._local_scalar_dense.default, _aten.equal.default, _aten.is_nonzero.default)}
+_SCALAR_READS = frozenset(id(op) for op in (_aten._local_scalar_dense.default, _aten.equal.default,
+                                              _aten.is_nonzero.default))
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:

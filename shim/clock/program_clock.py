@@ -43,6 +43,7 @@ import os
 import sys
 import threading
 import time
+from types import MappingProxyType
 
 from shim.rank.runtime import RUNTIME
 
@@ -143,12 +144,15 @@ def _sleep(seconds: float) -> None:
         local["floor"] = max(local.get("floor", 0.0), local.get("last") or 0.0) + seconds
 
 
-_REAL = {"perf_counter": perf_counter, "monotonic": monotonic, "time": wall_time, "perf_counter_ns": perf_counter_ns,
-         "monotonic_ns": monotonic_ns, "time_ns": wall_time_ns, "sleep": sleep}
+_REAL = MappingProxyType({"perf_counter": perf_counter, "monotonic": monotonic, "time": wall_time,
+                          "perf_counter_ns": perf_counter_ns, "monotonic_ns": monotonic_ns, "time_ns": wall_time_ns,
+                          "sleep": sleep})
 #: each clock with its real function and its place in ``_base`` (install's order)
-_PATCHES = {name: _emulated(name, _REAL[name], i, name.endswith("_ns"))
-            for i, name in enumerate(("perf_counter", "monotonic", "time", "perf_counter_ns", "monotonic_ns", "time_ns"))}
-_PATCHES["sleep"] = _sleep
+_PATCHES = MappingProxyType({
+    **{name: _emulated(name, _REAL[name], i, name.endswith("_ns"))
+       for i, name in enumerate(("perf_counter", "monotonic", "time", "perf_counter_ns", "monotonic_ns", "time_ns"))},
+    "sleep": _sleep,
+})
 
 
 def install() -> None:

@@ -59,15 +59,15 @@ KERNEL_LAUNCH_S = 4e-6
 
 _aten = torch.ops.aten
 # Ops that allocate without writing: no kernel runs.
-_NO_KERNEL = {
+_NO_KERNEL = frozenset({
     _aten.empty,
     _aten.empty_like,
     _aten.empty_strided,
     _aten.new_empty,
     _aten.new_empty_strided,
-}
+})
 # In-place ops that overwrite ``self`` without reading it: ``self`` counts as written only.
-_WRITE_ONLY_SELF = {_aten.copy_, _aten.fill_, _aten.zero_}
+_WRITE_ONLY_SELF = frozenset({_aten.copy_, _aten.fill_, _aten.zero_})
 
 
 @dataclass(frozen=True)

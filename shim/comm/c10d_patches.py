@@ -13,16 +13,16 @@ from __future__ import annotations
 
 import functools
 import inspect
-import weakref
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from shim.comm.process_group import MirageProcessGroup, creating
+from shim.comm.process_group import MirageProcessGroup
 from shim.device import state as dev
 from shim.memory import pinned
+from shim.rank.runtime import RUNTIME
 from shim.tensor.wrapper import MirageTensor
 from shim.transport import profiler as prof
 from shim.transport import stream
@@ -133,8 +133,6 @@ def _on_module_gpu(method):
     return run
 
 
-#: the Work each DDP reducer was last handed by ``Join`` (see ``_keeping_join_work``), dropped with the reducer
-_JOIN_WORK: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _keeping_join_work(set_handle):
@@ -152,7 +150,7 @@ def _keeping_join_work(set_handle):
 
     @functools.wraps(set_handle)
     def set_forward_pass_work_handle(reducer, work, *args, **kwargs):
-        _JOIN_WORK[reducer] = work
+        RUNTIME.comm.join_work[reducer] = work
         return set_handle(reducer, work, *args, **kwargs)
 
     return set_forward_pass_work_handle
@@ -221,6 +219,7 @@ def install() -> None:
             named = {}
         # torch's own default for a group without a description (its helper turns None into "undefined")
         desc = named.get("group_desc")
+        creating = RUNTIME.comm.creating
         creating.begin(list(global_ranks_in_group or []), str(named.get("group_name") or ""),
                        "undefined" if desc is None else str(desc))
         try:

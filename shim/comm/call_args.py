@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from types import MappingProxyType
 
 import torch
 import torch.distributed as dist
@@ -14,13 +15,13 @@ from shim.ops.functional import host_gpu
 from shim.tensor.wrapper import MirageTensor
 from wire import schema as s
 
-_REDUCE = {
+_REDUCE = MappingProxyType({
     dist.ReduceOp.RedOpType.SUM: s.ReduceOp.SUM,
     dist.ReduceOp.RedOpType.AVG: s.ReduceOp.AVG,
     dist.ReduceOp.RedOpType.PRODUCT: s.ReduceOp.PRODUCT,
     dist.ReduceOp.RedOpType.MIN: s.ReduceOp.MIN,
     dist.ReduceOp.RedOpType.MAX: s.ReduceOp.MAX,
-}
+})
 #: ``reduction``'s answer for each plain reduction, made once (callers only unpack it)
 _KEYWORDS = {red: {"reduce_op": op} for red, op in _REDUCE.items()}
 

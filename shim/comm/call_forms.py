@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 from datetime import timedelta
+from types import MappingProxyType
 
 import torch
 import torch._C._distributed_c10d as c10d_options  # every *Options class (dist lacks AllgatherOptions)
@@ -68,7 +69,7 @@ def _barrier(timeout=None):
 
 
 #: method name -> (whether a call is the short form, the short form's arguments -> the options form's)
-_FORMS = {
+_FORMS = MappingProxyType({
     "broadcast": (lambda a, kw: bool(a) and isinstance(a[0], torch.Tensor), _broadcast),
     "allreduce": (lambda a, kw: (bool(a) and isinstance(a[0], torch.Tensor)) or "op" in kw
                   or (len(a) > 1 and isinstance(a[1], _OPS)), _allreduce),
@@ -78,7 +79,7 @@ _FORMS = {
     "scatter": (lambda a, kw: bool(a) and isinstance(a[0], torch.Tensor), _scatter),
     "reduce_scatter": (lambda a, kw: bool(a) and isinstance(a[0], torch.Tensor), _reduce_scatter),
     "barrier": (lambda a, kw: "timeout" in kw or (bool(a) and isinstance(a[0], timedelta)), _barrier),
-}
+})
 
 
 def c10d_forms(method):

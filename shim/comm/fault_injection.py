@@ -12,33 +12,31 @@ import os
 import sys
 import time
 
+from shim.comm import state as _state  # noqa: F401 - it builds RUNTIME.comm, which holds the plan
 from shim.rank.runtime import RUNTIME
 from wire import faults
-
-_PLANNED = faults.parse_env(RUNTIME.settings.inject)
-_FAULTS: list[faults.Fault] = []
-_chosen = False
 
 
 def choose(rank: int) -> None:
     """Take the planned faults of default-group rank ``rank``; once: a fault acted out stays done after a re-init."""
-    global _chosen
-    if not _chosen:
-        _chosen = True
-        _FAULTS.extend(f for f in _PLANNED if f.rank == rank)
+    comm = RUNTIME.comm
+    if not comm.faults_chosen:
+        comm.faults_chosen = True
+        comm.faults.extend(f for f in comm.planned if f.rank == rank)
 
 
 def pending() -> bool:
     """Whether any fault is still to be acted out (a cheap test on every collective)."""
-    return bool(_FAULTS)
+    return bool(RUNTIME.comm.faults)
 
 
 def inject(seq: int) -> bool:
     """Act out a fault planned for collective ``seq``; True when the collective is to be skipped."""
-    for f in list(_FAULTS):
+    planned = RUNTIME.comm.faults
+    for f in list(planned):
         if f.seq != seq:
             continue
-        _FAULTS.remove(f)  # once: a skipped collective's number comes round again
+        planned.remove(f)  # once: a skipped collective's number comes round again
         print(f"mirage: injecting {f.action.value} at collective #{seq} of rank {f.rank}", file=sys.stderr, flush=True)
         if f.action is faults.Action.DELAY:
             time.sleep(f.delay_s)

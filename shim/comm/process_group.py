@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import socket
 import uuid
-from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -43,26 +42,6 @@ IN_PROCESS_MESSAGE = (
 #: Longest group description sent to the daemon: it is only ever shown, and every rank's join repeats it.
 MAX_DESC_CHARS = 256
 
-
-@dataclass
-class GroupBirth:
-    """The group ``_new_process_group_helper`` is creating: what the backend's constructor is not told."""
-
-    ranks: list[int] = field(default_factory=list)  # global ranks: NCCL's globalRankStart / globalRankStride
-    name: str = ""  # torch's group_name ("0", "1", or a hash of the ranks)
-    desc: str = ""  # torch's group_desc ("default_pg", "mesh_tp", the user's, "undefined")
-
-    def begin(self, ranks: list[int], name: str, desc: str) -> None:
-        """A group of these global ranks, names and description is being created."""
-        self.ranks, self.name, self.desc = ranks, name, desc
-
-    def end(self) -> None:
-        """The group exists (or failed to): nothing is being created."""
-        self.begin([], "", "")
-
-
-#: set around ``_new_process_group_helper`` (``shim.comm.c10d_patches``), cleared after it
-creating = GroupBirth()
 
 
 def _start_stride(ranks: list[int]) -> tuple[int, int]:
@@ -90,7 +69,8 @@ class MirageProcessGroup(dist.ProcessGroup):
             fault_injection.choose(rank)
         self._in_process = RUNTIME.settings.in_process
         # torch sets the group's name and description once the backend exists; the daemon hears of the
-        # communicator now, so they are taken from the helper's arguments (``creating``)
+        # communicator now, so they are taken from the helper's arguments (RUNTIME.comm.creating)
+        creating = RUNTIME.comm.creating
         self._comm = Comm("", rank, size, None, timeout.total_seconds(), _start_stride(creating.ranks),
                           group_name=creating.name, group_desc=creating.desc)
         if self._in_process:

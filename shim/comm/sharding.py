@@ -28,10 +28,11 @@ import functools
 import importlib.abc
 import importlib.util
 import sys
+from types import MappingProxyType
 
 import torch
 
-from shim.memory.allocator import ALLOCATOR
+from shim.rank.runtime import RUNTIME
 from shim.tensor.wrapper import BACKEND_DEVICE, MirageTensor
 
 
@@ -41,7 +42,7 @@ def _on_host(resize):
         if not isinstance(tensor, MirageTensor):
             return resize(tensor)
         result = resize(tensor._elem)
-        ALLOCATOR.moved(tensor)  # the GPU's books follow: freed at size 0, counted again when re-allocated
+        RUNTIME.allocator.moved(tensor)  # the GPU's books follow: freed at size 0, counted again when re-allocated
         return result
 
     return wrapped
@@ -97,13 +98,13 @@ def _patch_fsdp1_handle(module) -> None:
     handle.from_device = classmethod(cuda_for_backend)
 
 
-_PATCHES = {
+_PATCHES = MappingProxyType({
     "torch.distributed.fsdp._common_utils": _patch_fsdp1_handle,
     "torch.distributed.fsdp._init_utils": _patch_fsdp1_init,
     "torch.distributed.fsdp._fully_shard._fsdp_param": _patch_fsdp_param,
     "torch.distributed.tensor._api": _patch_dtensor,
     "torch.distributed.tensor._op_schema": _patch_op_schema,
-}
+})
 
 
 class _PatchAfterImport(importlib.abc.MetaPathFinder):

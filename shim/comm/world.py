@@ -25,14 +25,10 @@ from urllib.parse import parse_qs, urlparse
 
 import torch.distributed.distributed_c10d as c10d
 
+from shim.comm import state as _state  # noqa: F401 - it builds RUNTIME.comm
 from shim.rank.runtime import RUNTIME
 from shim.transport.call_site import call_site
 from wire import schema as s
-
-#: How many worlds this process formed under each rendezvous address: the ranks of one world
-#: agree on the count, and a world formed again (after ``destroy_process_group``) is a new one.
-_formed: dict[str, itertools.count] = {}
-
 
 #: What a command started by ``mirage exec`` gets when it calls ``init_process_group``.
 EXEC_REFUSAL = ("mirage: a command run by 'mirage exec' may not join the job's process groups (it would be an "
@@ -60,7 +56,7 @@ def install() -> None:
         if found is None or not RUNTIME.settings.has_daemon:
             return original(*args, **kwargs)
         address, rank, size = found
-        world = f"{address} #{next(_formed.setdefault(address, itertools.count(1)))}"
+        world = f"{address} #{next(RUNTIME.comm.formed.setdefault(address, itertools.count(1)))}"
         _claim(rank)
         client = RUNTIME.client
         note = functools.partial(s.WorldFormation, world=world, rank=rank, size=size, pid=os.getpid(),

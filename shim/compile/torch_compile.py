@@ -51,7 +51,6 @@ NOTICE = ("mirage: torch.compile(backend={name!r}) runs eagerly on the emulated 
 #: with whether dynamo may also compile their functions as frames of their own
 _inlined = {__name__: False}
 
-_noticed = False
 _graph_break = None  # torch._dynamo.graph_break, once dynamo is imported
 
 
@@ -62,12 +61,10 @@ def _backend_name(backend) -> str:
 def eager_compile(model=None, *, fullgraph: bool = False, dynamic=None, backend="inductor", mode=None,
                   options=None, disable: bool = False):
     """``torch.compile`` under ``MIRAGE_COMPILE=eager``: ``model`` itself, or a decorator returning its function."""
-    global _noticed
     if mode is not None and options is not None:  # as torch.compile
         raise RuntimeError("Either mode or options can be specified, but both can't be specified at the same time.")
     name = _backend_name(backend)
-    if not disable and not _noticed and name not in ("eager", "aot_eager"):
-        _noticed = True
+    if not disable and name not in ("eager", "aot_eager") and RUNTIME.once.first("compile-eager-notice"):
         print(NOTICE.format(name=name, env=ENV), file=sys.stderr, flush=True)
     if model is None:  # used as @torch.compile(...)
         return lambda fn: fn

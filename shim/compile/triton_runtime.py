@@ -40,9 +40,11 @@ from __future__ import annotations
 import os
 import sys
 import time
+from types import MappingProxyType
 
 from shim.compile import triton_libdevice
 from shim.import_hooks import after_import
+from shim.rank.runtime import RUNTIME
 
 #: the variable Triton's knobs read (``triton.knobs.runtime.interpret``)
 INTERPRET = "TRITON_INTERPRET"
@@ -59,9 +61,6 @@ def prepare() -> None:
     after_import("torch._dynamo", _run_outside_dynamo)
 
 
-_outside_dynamo = False
-
-
 def _run_outside_dynamo() -> None:
     """``torch.compile`` runs a Triton kernel it meets eagerly, in the interpreter: a graph break.
 
@@ -71,10 +70,11 @@ def _run_outside_dynamo() -> None:
     grid function, the kernel's programs, the shim's ``TorchFunctionMode`` on every tensor attribute the
     interpreter reads) would be compiled one by one. Done once both Triton and dynamo are imported.
     """
-    global _outside_dynamo
-    if _outside_dynamo or "torch._dynamo" not in sys.modules or not _configured:
+    once = RUNTIME.once
+    if "torch._dynamo" not in sys.modules or "triton-configured" not in once.done:
         return
-    _outside_dynamo = True
+    if not once.first("triton-outside-dynamo"):
+        return
     import torch._dynamo
     from torch._dynamo import trace_rules
     from triton.runtime import autotuner, interpreter
@@ -100,15 +100,10 @@ def _run_outside_dynamo() -> None:
                                                          "emulated GPU, outside the graph")
 
 
-_configured = False
-
-
 def _configure() -> None:
     """Point Triton at the emulated GPU: the driver, zero-copy launches, errors, libdevice."""
-    global _configured
-    if _configured:
+    if not RUNTIME.once.first("triton-configured"):
         return
-    _configured = True
     try:
         from triton.runtime import interpreter
         from triton.runtime.driver import driver
@@ -132,7 +127,6 @@ def _configure() -> None:
 
 def _profile():
     from shim.device import state  # noqa: F401 - it registers the device state on the runtime
-    from shim.rank.runtime import RUNTIME
 
     return RUNTIME.device.profile
 
@@ -416,10 +410,10 @@ def _patch_lang_once(interpreter) -> None:
 
 
 #: what the interpreter's builder raises (NotImplementedError) -> the construct, in the kernel's words
-_CONSTRUCTS = {
+_CONSTRUCTS = MappingProxyType({
     "inline_asm": "tl.inline_asm_elementwise (inline assembly)",
     "extern_elementwise": "tl.extern_elementwise (a call into an external device library)",
-}
+})
 
 
 def _unsupported_construct(error: BaseException) -> str | None:

@@ -25,7 +25,7 @@ import torch
 from shim.cuda import graphs, tunable
 from shim.device import rng
 from shim.device import state as dev
-from shim.memory.allocator import ALLOCATOR
+from shim.memory import allocator  # noqa: F401 - it builds RUNTIME.allocator
 from shim.rank.runtime import RUNTIME
 
 HIP_VERSION = "6.4.43482-0f2d60242"
@@ -89,7 +89,7 @@ def get_device_properties(device=None) -> DeviceProperties:
         major=p.major,
         minor=p.minor,
         gcnArchName=p.gcn_arch_name,
-        total_memory=ALLOCATOR.devices[i].capacity,
+        total_memory=RUNTIME.allocator.devices[i].capacity,
         multi_processor_count=p.compute_units,
         warp_size=p.wavefront,
         L2_cache_size=p.l2_cache_bytes,
@@ -335,15 +335,15 @@ class GenericEvent(torch._C.Event, metaclass=_AnyOf):
         return torch._C.Event(device=d, enable_timing=enable_timing, blocking=blocking, interprocess=interprocess)
 
 
-_default_streams: dict[int, Stream] = {}
 _current = threading.local()  # as in CUDA, the current stream is per thread (and per device)
 
 
 def default_stream(device=None) -> Stream:
     i = _index(device)
-    if i not in _default_streams:
-        _default_streams[i] = _default_stream_of(i)
-    return _default_streams[i]
+    streams = RUNTIME.cuda.default_streams
+    if i not in streams:
+        streams[i] = _default_stream_of(i)
+    return streams[i]
 
 
 def current_stream(device=None) -> Stream:
@@ -423,8 +423,8 @@ class _Smi:
 
     def utilization(self, device=None) -> int:
         i = _index(device)
-        ALLOCATOR.sync()
-        return round(100 * self.busy()) if ALLOCATOR.devices[i].reserved_total else 0
+        RUNTIME.allocator.sync()
+        return round(100 * self.busy()) if RUNTIME.allocator.devices[i].reserved_total else 0
 
     def temperature(self, device=None) -> int:
         return round(self.IDLE_C + (self.BUSY_C - self.IDLE_C) * self.utilization(device) / 100)
@@ -442,8 +442,8 @@ class _Smi:
     def device_memory_used(self, device=None) -> int:
         """Bytes in use on the GPU; amd-smi counts whole MiB (``vram_used``)."""
         i = _index(device)
-        ALLOCATOR.sync()
-        return ALLOCATOR.devices[i].reserved_total >> 20 << 20
+        RUNTIME.allocator.sync()
+        return RUNTIME.allocator.devices[i].reserved_total >> 20 << 20
 
     def list_gpu_processes(self, device=None) -> str:
         """torch's text for amd-smi's process list: this process, if it holds memory on the GPU."""
@@ -457,11 +457,26 @@ class _Smi:
         return "\n".join(lines)
 
 
-SMI = _Smi()
+class CudaState:
+    """The rank's ``torch.cuda`` surface (``RUNTIME.cuda``): each GPU's default stream as made, the SMI's
+    sampling, the mode ``shim.cuda.mode`` pushed, and the next graph pool's id."""
+
+    def __init__(self) -> None:
+        self.default_streams: dict[int, Stream] = {}
+        self.smi = _Smi()
+        self.mode = None  # shim.cuda.mode.CudaMode, once installed
+        self.graph_pools = itertools.count(1)  # the ids of CUDA graphs' memory pools (shim.cuda.graphs)
+
+
+def _build(runtime) -> None:
+    runtime.cuda = CudaState()
+
+
+RUNTIME.attach(_build)
 
 
 def _set_fraction(fraction: float, device: int) -> None:
-    ALLOCATOR.devices[_index(device)].fraction = fraction
+    RUNTIME.allocator.devices[_index(device)].fraction = fraction
 
 
 def _set_sync_debug_mode(mode: int) -> None:
@@ -478,9 +493,9 @@ def _record_history_legacy(enabled: bool, record_context: bool = True, trace_all
     """``_record_memory_history(True, ...)``, torch's older form: stacks if ``record_context``, a trace of
     ``trace_alloc_max_entries`` entries if more than 1."""
     if not enabled:
-        ALLOCATOR.record_history(None, clear_history=clear_history)
+        RUNTIME.allocator.record_history(None, clear_history=clear_history)
     else:
-        ALLOCATOR.record_history("all" if trace_alloc_max_entries > 1 else "state",
+        RUNTIME.allocator.record_history("all" if trace_alloc_max_entries > 1 else "state",
                                  "all" if record_context else None, "python", max(trace_alloc_max_entries, 1),
                                  clear_history)
 
@@ -492,37 +507,37 @@ def _install_memory() -> None:
     only the C entry points a CPU build lacks are provided.
     """
     C = torch._C
-    stats = lambda d=None: ALLOCATOR.stats(_index(d))  # noqa: E731
+    stats = lambda d=None: RUNTIME.allocator.stats(_index(d))  # noqa: E731
     entry_points = {
         "_cuda_memoryStats": stats,
-        "_cuda_resetPeakMemoryStats": lambda d=None: ALLOCATOR.reset_peak(_index(d)),
-        "_cuda_resetAccumulatedMemoryStats": lambda d=None: ALLOCATOR.reset_accumulated(_index(d)),
-        "_cuda_emptyCache": ALLOCATOR.empty_cache,
+        "_cuda_resetPeakMemoryStats": lambda d=None: RUNTIME.allocator.reset_peak(_index(d)),
+        "_cuda_resetAccumulatedMemoryStats": lambda d=None: RUNTIME.allocator.reset_accumulated(_index(d)),
+        "_cuda_emptyCache": RUNTIME.allocator.empty_cache,
         "_cuda_setMemoryFraction": _set_fraction,
-        "_cuda_getMemoryFraction": lambda d=None: ALLOCATOR.devices[_index(d)].fraction,
+        "_cuda_getMemoryFraction": lambda d=None: RUNTIME.allocator.devices[_index(d)].fraction,
         "_accelerator_isAllocatorInitialized": lambda: True,
         "_accelerator_getDeviceStats": stats,
-        "_accelerator_resetPeakStats": lambda d=None: ALLOCATOR.reset_peak(_index(d)),
-        "_accelerator_resetAccumulatedStats": lambda d=None: ALLOCATOR.reset_accumulated(_index(d)),
-        "_accelerator_emptyCache": ALLOCATOR.empty_cache,
-        "_accelerator_getMemoryInfo": lambda d=None: ALLOCATOR.mem_get_info(_index(d)),
+        "_accelerator_resetPeakStats": lambda d=None: RUNTIME.allocator.reset_peak(_index(d)),
+        "_accelerator_resetAccumulatedStats": lambda d=None: RUNTIME.allocator.reset_accumulated(_index(d)),
+        "_accelerator_emptyCache": RUNTIME.allocator.empty_cache,
+        "_accelerator_getMemoryInfo": lambda d=None: RUNTIME.allocator.mem_get_info(_index(d)),
         "_cuda_getAllocatorBackend": lambda: "native",  # PYTORCH_CUDA_ALLOC_CONF's default backend
         "_cuda_ipc_collect": lambda: None,  # no CUDA IPC handles: nothing to release
         "_cuda_set_sync_debug_mode": _set_sync_debug_mode,
         "_cuda_get_sync_debug_mode": lambda: RUNTIME.device.sync_debug,
         # the memory history and snapshots (shim/memory/history.py)
-        "_cuda_record_memory_history": ALLOCATOR.record_history,
+        "_cuda_record_memory_history": RUNTIME.allocator.record_history,
         "_cuda_record_memory_history_legacy": _record_history_legacy,
-        "_cuda_memorySnapshot": ALLOCATOR.snapshot,
+        "_cuda_memorySnapshot": RUNTIME.allocator.snapshot,
     }
     for name, fn in entry_points.items():
         setattr(C, name, fn)
     m = torch.cuda.memory
     m.is_initialized = lambda: True  # its own binding of torch.cuda.is_initialized
     m._lazy_init = lambda: None
-    mem_get_info = lambda d=None: ALLOCATOR.mem_get_info(_index(d))  # noqa: E731
+    mem_get_info = lambda d=None: RUNTIME.allocator.mem_get_info(_index(d))  # noqa: E731
     m.mem_get_info = torch.cuda.mem_get_info = mem_get_info
-    m.list_gpu_processes = SMI.list_gpu_processes
+    m.list_gpu_processes = RUNTIME.cuda.smi.list_gpu_processes
 
 
 class _Roctx(threading.local):
@@ -580,6 +595,7 @@ def install() -> None:
     torch.cuda.nvtx._nvtx = _Roctx()
     c = torch.cuda
     count = RUNTIME.device.count
+    smi = RUNTIME.cuda.smi
     replacements = {
         "is_available": lambda: count > 0,  # CUDA_VISIBLE_DEVICES="" hides every GPU
         "is_initialized": lambda: RUNTIME.device.initialized,
@@ -603,17 +619,17 @@ def install() -> None:
         "stream": stream,
         "StreamContext": stream,
         # amd-smi's figures (a CPU build has no amdsmi to ask)
-        "utilization": SMI.utilization,
-        "memory_usage": SMI.utilization,  # memory activity: the same busy share
-        "temperature": SMI.temperature,
-        "power_draw": SMI.power_draw,
-        "clock_rate": SMI.clock_rate,
-        "device_memory_used": SMI.device_memory_used,
-        "list_gpu_processes": SMI.list_gpu_processes,
+        "utilization": smi.utilization,
+        "memory_usage": smi.utilization,  # memory activity: the same busy share
+        "temperature": smi.temperature,
+        "power_draw": smi.power_draw,
+        "clock_rate": smi.clock_rate,
+        "device_memory_used": smi.device_memory_used,
+        "list_gpu_processes": smi.list_gpu_processes,
     }
     for name, fn in replacements.items():
         setattr(c, name, fn)
-    dev.ON_INITIALIZE.append(_run_queued_calls)
+    RUNTIME.device.on_initialize.append(_run_queued_calls)
     _install_memory()
     graphs.install()  # CUDA graphs: capture records the ops, replay runs them again (shim/cuda/graphs.py)
     tunable.install()  # TunableOp's settings, nothing tuned (shim/cuda/tunable.py)

@@ -22,13 +22,13 @@ graph lives, as in its private pool).
 
 from __future__ import annotations
 
-import itertools
 import threading
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from shim.rank.runtime import RUNTIME
 from shim.tensor.wrapper import MirageTensor, _synchronizes
 
 #: what a GPU build says when a capturing stream is asked to wait
@@ -39,7 +39,6 @@ COLLECTIVE_REFUSED = ("mirage: a collective during CUDA graph capture is not emu
                       "capture the compute only, and run collectives outside the graph")
 
 _capturing = threading.local()
-_pools = itertools.count(1)
 
 
 def capturing() -> bool:
@@ -98,7 +97,7 @@ class CUDAGraph:
         self._made: set[int] = set()  # ids of the tensors the capture made (held by _ops)
         self._kept: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # values to restore at the end
         self._recorder: _Recorder | None = None
-        self._pool = (0, next(_pools))
+        self._pool = (0, next(RUNTIME.cuda.graph_pools))
         self._captured = False
 
     def _keep(self, t: torch.Tensor) -> None:
@@ -173,7 +172,7 @@ def install() -> None:
     import torch.cuda.graphs as graphs
 
     torch.cuda.CUDAGraph = graphs.CUDAGraph = CUDAGraph
-    pool = lambda: (0, next(_pools))  # noqa: E731
+    pool = lambda: (0, next(RUNTIME.cuda.graph_pools))  # noqa: E731
     torch.cuda.graph_pool_handle = graphs.graph_pool_handle = graphs._graph_pool_handle = pool
     torch.cuda.is_current_stream_capturing = graphs.is_current_stream_capturing = capturing
     graphs._cuda_isCurrentStreamCapturing = torch._C._cuda_isCurrentStreamCapturing = capturing

@@ -12,6 +12,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from shim.compile import torch_compile
+from shim.cuda import api  # noqa: F401 - it builds RUNTIME.cuda, which keeps the mode
 from shim.device import state as dev
 from shim.memory import pinned
 from shim.ops import attention
@@ -139,11 +140,9 @@ def _compiling(func, args, kwargs: dict):
 
 
 torch_compile.inline(__name__, frames=False)
-_mode: CudaMode | None = None
 
 
 def install() -> None:
     """Push the mode for the rest of the process (and threads started later)."""
-    global _mode
-    _mode = CudaMode()
-    _mode.__enter__()
+    mode = RUNTIME.cuda.mode = CudaMode()
+    mode.__enter__()

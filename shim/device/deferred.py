@@ -11,12 +11,9 @@ as they return — on a GPU the same error reaches the same caller.
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
-_lock = threading.Lock()
-_errors: list[BaseException] = []
+from shim.rank.runtime import RUNTIME
 
 
 def in_backward() -> bool:
@@ -26,8 +23,9 @@ def in_backward() -> bool:
 
 def keep(error: BaseException) -> None:
     """Keep ``error`` for the backward() caller to raise."""
-    with _lock:
-        _errors.append(error)
+    d = RUNTIME.device
+    with d.kept_lock:
+        d.kept_errors.append(error)
 
 
 def defer(error: BaseException, func, args, kwargs):
@@ -48,11 +46,12 @@ def defer(error: BaseException, func, args, kwargs):
 
 
 def _raise_kept() -> None:
-    with _lock:
-        if not _errors:
+    d = RUNTIME.device
+    with d.kept_lock:
+        if not d.kept_errors:
             return
-        first = _errors[0]
-        _errors.clear()
+        first = d.kept_errors[0]
+        d.kept_errors.clear()
     raise first
 
 

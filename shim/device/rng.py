@@ -126,11 +126,11 @@ class DeviceGenerator(torch._C.Generator):
         self._offset += (numel + 3) // 4 * 4
 
 
-def _make_default_generators() -> tuple[DeviceGenerator, ...]:
-    return tuple(DeviceGenerator(i) for i in range(max(RUNTIME.device.count, 1)))
+def _make_default_generators(runtime) -> None:
+    runtime.device.generators = tuple(DeviceGenerator(i) for i in range(max(runtime.device.count, 1)))
 
 
-DEFAULT_GENERATORS = _make_default_generators()
+RUNTIME.attach(_make_default_generators)
 
 
 def _generator_arg(func) -> int:
@@ -186,7 +186,7 @@ def call_random(func, args: tuple, kwargs: dict, gpu: int):
         return func(*args, **kwargs)
     g = kwargs.get("generator") if pos >= len(args) else args[pos]
     if g is None:
-        g = DEFAULT_GENERATORS[gpu]
+        g = RUNTIME.device.generators[gpu]
         if pos < len(args):
             args = args[:pos] + (g,) + args[pos + 1 :]
         else:
@@ -209,7 +209,7 @@ def native_dropout(x: torch.Tensor, p: float, train: bool | None, gpu: int):
     # The mask is drawn in x's dtype where it is floating point: the same draws as into a bool tensor (the
     # CPU kernel takes one per element whatever the dtype), and x * noise then needs no bool-to-float copy.
     floating = x.is_floating_point()
-    g = DEFAULT_GENERATORS[gpu]
+    g = RUNTIME.device.generators[gpu]
     with g.lock:
         noise = torch.empty_like(x, dtype=x.dtype if floating else torch.bool).bernoulli_(1 - p, generator=g.engine())
         g.advance(noise.numel())
@@ -238,7 +238,7 @@ class Generator(torch._C.Generator, metaclass=_GeneratorType):
 
 def install() -> None:
     """Expose the per-device generators where torch.cuda's own random functions look for them."""
-    torch.cuda.default_generators = DEFAULT_GENERATORS
+    torch.cuda.default_generators = RUNTIME.device.generators
     r = torch.cuda.random
     # torch.cuda.random bound these names at import; it must see the emulated answers
     r._lazy_init = dev.initialize

@@ -1,13 +1,17 @@
 """The emulated GPUs as the rank sees them: how many, which is current, what they are.
 
 Made from the rank's settings (``MIRAGE_PROFILE``, ``MIRAGE_GPUS_PER_NODE``) and
-the ``*_VISIBLE_DEVICES`` variables when this module loads, and kept by the
-rank's runtime (``RUNTIME.device``, ``shim.rank.runtime``), which every layer
-reaches; its class stays in this layer. The current device is
-the main thread's for every thread that never chose one, and a thread's own
-once it has (``set_device``, ``with torch.cuda.device(i)``), as CUDA's is:
-``nn.DataParallel`` runs each replica in a thread that moves to its GPU, and
-the main thread must stay where it was. Threads that never choose (C++ code
+the ``*_VISIBLE_DEVICES`` variables when this module loads (and again if the
+runtime is rebuilt), and kept by the rank's runtime (``RUNTIME.device``,
+``shim.rank.runtime``), which every layer reaches; its class stays in this
+layer. It also holds the device layer's other per-rank state: the default
+generators (``shim.device.rng``), the kernel errors kept for ``backward()``
+(``shim.device.deferred``) and what runs on the first use of a GPU.
+
+The current device is the main thread's for every thread that never chose
+one, and a thread's own once it has (``set_device``, ``with
+torch.cuda.device(i)``), as CUDA's is: ``nn.DataParallel`` runs each replica
+in a thread that moves to its GPU, and the main thread must stay where it was. Threads that never choose (C++ code
 such as the autograd engine allocating on its own threads) agree with the
 main thread, where a CUDA thread would start on device 0.
 """
@@ -18,7 +22,7 @@ import os
 import threading
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shim.rank.runtime import RUNTIME
 from shim.rank.settings import Settings
@@ -60,6 +64,14 @@ class DeviceState:
     # DeviceMesh only picks a device from LOCAL_RANK while torch.cuda.is_initialized() is False.
     initialized: bool = False
 
+    #: run once, on the first use of a GPU (torch.cuda's queued lazy calls, e.g. seeds set before it)
+    on_initialize: list = field(default_factory=list, repr=False, compare=False)
+    #: one shim.device.rng.DeviceGenerator per GPU (torch.cuda.default_generators), made by that module
+    generators: tuple = field(default=(), repr=False, compare=False)
+    #: errors of kernels run on the autograd engine's threads, for backward()'s caller (shim.device.deferred)
+    kept_errors: list = field(default_factory=list, repr=False, compare=False)
+    kept_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
     @property
     def count(self) -> int:
         return len(self.physical)
@@ -92,10 +104,11 @@ def _from_settings(settings: Settings) -> DeviceState:
     return DeviceState(profile=profile, physical=visible_devices(settings.gpus_per_node, dict(os.environ)))
 
 
-if RUNTIME.device is None:
-    RUNTIME.device = _from_settings(RUNTIME.settings)
-#: run once, on the first use of a GPU (torch.cuda's queued lazy calls, e.g. seeds set before it)
-ON_INITIALIZE: list = []
+def _build(runtime) -> None:
+    runtime.device = _from_settings(runtime.settings)
+
+
+RUNTIME.attach(_build)
 
 
 def synchronizing() -> None:
@@ -112,7 +125,7 @@ def initialize() -> None:
     if RUNTIME.device.initialized:
         return
     RUNTIME.device.initialized = True
-    for hook in ON_INITIALIZE:
+    for hook in RUNTIME.device.on_initialize:
         hook()
 
 

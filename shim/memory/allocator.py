@@ -19,11 +19,12 @@ import os
 import sys
 import threading
 import time
+from typing import Any
 
 import torch
 
 from shim.device import deferred
-from shim.device import state  # noqa: F401 - it sets RUNTIME.device, which ALLOCATOR is sized by
+from shim.device import state  # noqa: F401 - it builds RUNTIME.device, which the allocator is sized by
 from shim.memory import history as memory_history
 from shim.rank.runtime import RUNTIME
 
@@ -141,6 +142,9 @@ class Allocator:
         # what _record_memory_history recorded (kept for snapshots once stopped), and it again while it records
         self.history: memory_history.History | None = None
         self.recorder: memory_history.History | None = None
+        self.reporter = Reporter()
+        #: pinned host tensors of shim.memory.pinned's fallback: id -> a weak reference to the tensor
+        self.pinned: dict[int, Any] = {}
 
     def record_history(self, enabled, context="all", stacks="all", max_entries=sys.maxsize, clear_history=False,
                        *_rest) -> None:
@@ -356,8 +360,14 @@ class Allocator:
 REPORT_INTERVAL_S = 0.25
 
 
-#: (global rank, node) the reporter speaks for; None until it starts
-_reporting_as: tuple[int, int] | None = None
+class Reporter:
+    """What the memory reporter of a rank knows: for whom it speaks, what it said last."""
+
+    def __init__(self) -> None:
+        self.speaks_as: tuple[int, int] | None = None  # (global rank, node); None until it starts
+        self.lock = threading.Lock()  # the reporter's thread and the exit hook
+        self.reported: tuple | None = None  # (allocator version, (rank, node)) as last reported
+        self.pid = 0  # the process that started it: a forked child inherits the exit hook, not the rank
 
 
 def start_reporter(rank: int, node: int) -> None:
@@ -367,12 +377,12 @@ def start_reporter(rank: int, node: int) -> None:
     the running reporter speaks for the new rank from then on. The last figures
     go out at exit too.
     """
-    global _reporting_as, _reporter_pid
-    started = _reporting_as is not None
-    _reporting_as = (rank, node)
+    reporter = RUNTIME.allocator.reporter
+    started = reporter.speaks_as is not None
+    reporter.speaks_as = (rank, node)
     if started:
         return
-    _reporter_pid = os.getpid()
+    reporter.pid = os.getpid()
 
     def run() -> None:
         while True:
@@ -385,25 +395,21 @@ def start_reporter(rank: int, node: int) -> None:
     atexit.register(_report, timeout_s=1.0)
 
 
-_report_lock = threading.Lock()  # the reporter's thread and the exit hook
-_reported: tuple | None = None  # (allocator version, (rank, node)) as last reported
-_reporter_pid = 0  # the process that started the reporter: a forked child inherits the exit hook, not the rank
-
-
 def _report(timeout_s: float) -> bool:
     """Send every GPU's figures this rank touched, if they changed since the last report; False if the
     daemon could not be reached."""
     from wire.schema import MemoryReport
 
-    global _reported
-    with _report_lock:
-        ALLOCATOR.sync()
-        now = (ALLOCATOR.version, _reporting_as)
-        if now == _reported or _reporting_as is None or os.getpid() != _reporter_pid:
+    allocator = RUNTIME.allocator
+    reporter = allocator.reporter
+    with reporter.lock:
+        allocator.sync()
+        now = (allocator.version, reporter.speaks_as)
+        if now == reporter.reported or reporter.speaks_as is None or os.getpid() != reporter.pid:
             return True
-        _reported = now
-        rank, node = _reporting_as
-        for i, d in enumerate(ALLOCATOR.devices):
+        reporter.reported = now
+        rank, node = reporter.speaks_as
+        for i, d in enumerate(allocator.devices):
             if not d.bytes_in[0] + d.bytes_in[1]:
                 continue  # a GPU this rank never touched
             report = MemoryReport(rank=rank, node=node, device=RUNTIME.device.physical[i], allocated=d.allocated,
@@ -415,10 +421,14 @@ def _report(timeout_s: float) -> bool:
     return True
 
 
-def capacity() -> int:
+def capacity(runtime) -> int:
     """Each GPU's memory: ``--hbm`` (``MIRAGE_HBM_BYTES``) if given, else the profile's."""
-    override = RUNTIME.settings.hbm_bytes
-    return override if override else RUNTIME.device.profile.hbm_bytes
+    override = runtime.settings.hbm_bytes
+    return override if override else runtime.device.profile.hbm_bytes
 
 
-ALLOCATOR = Allocator(capacity(), max(RUNTIME.device.count, 1))
+def _build(runtime) -> None:
+    runtime.allocator = Allocator(capacity(runtime), max(runtime.device.count, 1))
+
+
+RUNTIME.attach(_build)

@@ -26,14 +26,15 @@ import weakref
 
 import torch
 
+from shim.memory import allocator  # noqa: F401 - it builds RUNTIME.allocator, which keeps the fallback's tensors
 from shim.native import build as native_build
+from shim.rank.runtime import RUNTIME
 
 #: None once the native allocator is torch's; otherwise why it is not (one line)
 NATIVE_ERROR: str | None = "shim.memory.pinned.install() has not run"
 
 _native: ctypes.CDLL | None = None  # kept: torch holds pointers into it for the process's life
 _fallback_lib: torch.library.Library | None = None
-_pinned: dict[int, weakref.ref] = {}  # fallback: id -> the pinned tensor (a WeakSet would compare tensors with ==)
 
 
 def install() -> None:
@@ -65,7 +66,8 @@ def _host_copy(self, device=None):
 
 
 def _is_pinned_object(t: torch.Tensor) -> bool:
-    ref = _pinned.get(id(t))
+    # RUNTIME.allocator.pinned: id -> the pinned tensor (a WeakSet would compare tensors with ==)
+    ref = RUNTIME.allocator.pinned.get(id(t))
     return ref is not None and ref() is t
 
 
@@ -77,7 +79,8 @@ def pin(t: torch.Tensor) -> torch.Tensor:
         return t
     out = t.clone()
     key = id(out)
-    _pinned[key] = weakref.ref(out, lambda _, key=key: _pinned.pop(key, None))
+    pinned = RUNTIME.allocator.pinned
+    pinned[key] = weakref.ref(out, lambda _, key=key: pinned.pop(key, None))
     return out
 
 

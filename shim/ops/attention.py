@@ -19,6 +19,8 @@ higher-order ops (flex attention, ``torch.cond``...) a rule for the emulated ten
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import torch
 
 from shim.ops import cpu_only, higher_order
@@ -266,7 +268,7 @@ def flash_attention_backward(grad_out, query, key, value, out, logsumexp, cum_se
 
 
 #: xformers' custom_mask_type: none, causal from the top left, causal from the bottom right
-_EFFICIENT_MASKS = {0: (False, False), 1: (True, False), 2: (True, True)}
+_EFFICIENT_MASKS = MappingProxyType({0: (False, False), 1: (True, False), 2: (True, True)})
 
 
 def efficient_attention_forward(query, key, value, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -352,16 +354,16 @@ def cudnn_attention_backward(grad_out, query, key, value, out, logsumexp, philox
     )
 
 
-CPU_KERNELS = {
+CPU_KERNELS = MappingProxyType({
     _aten._scaled_dot_product_flash_attention.default: flash_forward,
     _aten._scaled_dot_product_flash_attention_backward.default: flash_backward,
     _aten._scaled_dot_product_efficient_attention.default: efficient_forward,
     _aten._scaled_dot_product_efficient_attention_backward.default: efficient_backward,
-}
+})
 
 
 #: CUDA-only ops computed here when they reach the CPU (the wrappers' CPU tensors); name -> kernel
-CPU_ONLY_ON_GPU = {
+CPU_ONLY_ON_GPU = MappingProxyType({
     **cpu_only.KERNELS,
     "_flash_attention_forward": flash_attention_forward,
     "_flash_attention_forward_no_dropout_inplace": flash_attention_forward_inplace,
@@ -370,7 +372,7 @@ CPU_ONLY_ON_GPU = {
     "_efficient_attention_backward": efficient_attention_backward,
     "_scaled_dot_product_cudnn_attention": cudnn_attention_forward,
     "_scaled_dot_product_cudnn_attention_backward": cudnn_attention_backward,
-}
+})
 
 _libs: list[torch.library.Library] = []
 

@@ -7,6 +7,8 @@ reach them with the emulated tensors' host tensors, so they get CPU kernels
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import torch
 
 
@@ -77,7 +79,7 @@ def fused_gru_cell_backward(grad_hy, workspace, has_bias):
 
 
 #: name -> CPU kernel, for :data:`shim.ops.attention.CPU_ONLY_ON_GPU`
-KERNELS = {
+KERNELS = MappingProxyType({
     "_thnn_fused_lstm_cell": fused_lstm_cell,
     "_thnn_fused_lstm_cell_backward_impl": fused_lstm_cell_backward,
     "_thnn_fused_gru_cell": fused_gru_cell,
@@ -86,4 +88,4 @@ KERNELS = {
     "bmm.dtype": _mm_dtype("bmm", torch.bmm),
     "addmm.dtype": _mm_dtype("addmm", torch.addmm),
     "baddbmm.dtype": _mm_dtype("baddbmm", torch.baddbmm),
-}
+})

@@ -11,9 +11,8 @@ import os
 import signal
 import sys
 
+from shim.rank.runtime import RUNTIME
 from wire.schema import STACK_SIGNAL
-
-_stacks_file = None  # kept open for the life of the process: faulthandler writes to its fd
 
 
 def rank_stream_path(run_dir: str, rank: int, stream: str) -> str:
@@ -41,12 +40,12 @@ def arm_stack_dumps(run_dir: str, rank: int) -> None:
     faulthandler dumps from the signal handler in C, so a rank blocked inside a
     collective (or any C call) still answers.
     """
-    global _stacks_file
-    _stacks_file = open(rank_stream_path(run_dir, rank, "stacks"), "a")
+    # kept open for the life of the process (RUNTIME.stacks_file): faulthandler writes to its fd
+    RUNTIME.stacks_file = stacks = open(rank_stream_path(run_dir, rank, "stacks"), "a")
     # Ignored underneath: faulthandler puts back the handler it found when the interpreter shuts
     # down, and a rank still tearing down when a hang report asks every rank for its stacks must
     # not die of the default action (its launcher would take that for a failure and kill its
     # peers). Not chained, for the same reason. A program that installs its own SIGUSR1 handler
     # later replaces this one (its choice); exec'd children start with the default action.
     signal.signal(STACK_SIGNAL, signal.SIG_IGN)
-    faulthandler.register(STACK_SIGNAL, file=_stacks_file, all_threads=True)
+    faulthandler.register(STACK_SIGNAL, file=stacks, all_threads=True)

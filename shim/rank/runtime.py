@@ -9,24 +9,32 @@ and never imports upwards. It holds three kinds of thing:
   (every ``MIRAGE_*`` variable, read once), the daemon clients (connected on
   first use), the rank this process claimed;
 - state small enough to be defined here although higher layers use it: the
-  stream of posted collectives (:class:`Stream`, ``shim.transport.stream``)
-  and the staging slots of collectives in flight (:class:`Staging`,
-  ``shim.transport.transports``);
-- slots for the objects of higher layers, which their owners fill when they
-  are created: ``device`` (``shim.device.state.DeviceState``, when that
-  module loads: torchrun's agent reads it before any activation) and
-  ``clock`` (``shim.clock.clock.Clock``, at activation in clocked mode, else
-  None). They are typed ``Any`` here because naming their classes would be an
-  import upwards.
+  stream of posted collectives (:class:`Stream`, ``shim.transport.stream``),
+  the staging slots and rank-to-rank rings of collectives in flight
+  (:class:`Staging`, ``shim.transport``), the once-only acts done
+  (:class:`Once`), the stacks file;
+- slots for the objects of higher layers, which their modules build by
+  handing :meth:`Runtime.attach` a function as they load: ``device``
+  (``shim.device.state.DeviceState``: torchrun's agent reads it before any
+  activation), ``allocator`` (``shim.memory.allocator.Allocator``), ``cuda``
+  (``shim.cuda.api.CudaState``), ``comm`` (``shim.comm.state.CommState``);
+  and ``clock`` (``shim.clock.clock.Clock``, at activation in clocked mode,
+  else None). They are typed ``Any`` here because naming their classes would
+  be an import upwards.
+
+:meth:`Runtime.rebuild` makes all of it afresh from other settings, running
+those functions again: what a rank forked from a process that imported the
+shim needs. The shim's other module-level state is declared, with why, in
+``pyproject.toml``'s ``[tool.mirage.module-state]`` (``tests/test_layering.py``).
 
 Only the standard library at import: ``shim.bootstrap`` imports this in every
 Python process of a session, before torch; the client (torch, ZeroMQ) is
 imported when it is first connected.
 
 Objects that never change after they are set (the settings, the device state,
-the clock) may be bound to locals once; the hot dispatch path reads
-``RUNTIME.clock`` as it read the module global it replaces: one global and
-one attribute load.
+the allocator, the clock) may be bound to locals once; the hot dispatch path
+reads ``RUNTIME.clock`` as it read the module global it replaces: one global
+and one attribute load.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ import itertools
 import os
 import threading
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from shim.rank.settings import Settings
@@ -64,29 +73,64 @@ class Staging:
     (``shim.transport.transports``).
     """
 
-    __slots__ = ("arenas", "busy", "generation")
+    __slots__ = ("arenas", "busy", "generation", "rings", "direct_max_bytes")
 
     def __init__(self) -> None:
         self.arenas: dict[int, Any] = {}  # slot -> its wire.arena.Arena
         self.busy: set[int] = set()
         self.generation = itertools.count(1)
+        #: ring files of the rank-to-rank path made here, (pid, path, PeerRings), removed at exit
+        #: (``shim.transport.direct``)
+        self.rings: list[tuple[int, str, Any]] = []
+        #: the largest collective taken rank to rank (0: off), set when shim.transport.direct loads
+        self.direct_max_bytes = 0
+
+
+class Once:
+    """The rank's once-only acts done so far, by name: notices printed, patches applied, plans taken."""
+
+    __slots__ = ("done",)
+
+    def __init__(self) -> None:
+        self.done: set[str] = set()
+
+    def first(self, name: str) -> bool:
+        """True the first time ``name`` is asked for (and never again)."""
+        if name in self.done:
+            return False
+        self.done.add(name)
+        return True
 
 
 class Runtime:
     """A rank's runtime: its settings, daemon clients, claimed rank, collectives in flight, staging slots,
-    and the device state and clock its higher layers register (see the module docstring)."""
+    once-only acts, and the objects its higher layers build (see the module docstring)."""
 
-    __slots__ = ("settings", "device", "clock", "stream", "staging", "claimed_rank", "claimed_pid",
-                 "_client", "_host_client")
+    __slots__ = ("settings", "device", "clock", "allocator", "cuda", "comm", "stream", "staging", "once",
+                 "stacks_file", "claimed_rank", "claimed_pid", "_client", "_host_client", "_builders")
 
     def __init__(self, settings: Settings) -> None:
+        #: what builds the higher layers' objects, in the order their modules registered (see attach)
+        self._builders: list[Callable[[Runtime], None]] = []
+        self._start(settings)
+
+    def _start(self, settings: Settings) -> None:
         self.settings = settings
-        #: the emulated GPUs (shim.device.state.DeviceState), set when shim.device.state loads
+        #: the emulated GPUs (shim.device.state.DeviceState), built when shim.device.state loads
         self.device: Any = None
         #: clocked mode's clock (shim.clock.clock.Clock), set at activation; None in functional mode
         self.clock: Any = None
+        #: the GPUs' memory model (shim.memory.allocator.Allocator), built when that module loads
+        self.allocator: Any = None
+        #: the torch.cuda surface's state (shim.cuda.api.CudaState): default streams, SMI, the pushed mode
+        self.cuda: Any = None
+        #: torch.distributed's (shim.comm.state.CommState): worlds formed, the group being made, faults
+        self.comm: Any = None
         self.stream = Stream()
         self.staging = Staging()
+        self.once = Once()
+        #: the file faulthandler dumps stacks to (shim.rank.output), open for the process's life
+        self.stacks_file: Any = None
         #: the rank this process claimed: at start-up ($RANK, else 0; shim.bootstrap) or when it formed a
         #: world of its own (shim.comm.world); None for a descendant of a rank that has not
         self.claimed_rank: int | None = None
@@ -94,6 +138,20 @@ class Runtime:
         self.claimed_pid = 0
         self._client: DaemonClient | None = None
         self._host_client: DaemonClient | None = None
+
+    def attach(self, build: Callable[[Runtime], None]) -> None:
+        """Build a higher layer's objects onto this runtime now, and again whenever it is rebuilt: a module
+        registers here, at import, what it would otherwise make into a module global."""
+        self._builders.append(build)
+        build(self)
+
+    def rebuild(self, settings: Settings) -> None:
+        """Start afresh from ``settings``: every per-rank object made again, as in a new process (a rank
+        forked from a process that imported the shim; before it activates, since activation hands these
+        objects to torch)."""
+        self._start(settings)
+        for build in self._builders:
+            build(self)
 
     def claim(self, rank: int) -> None:
         """Record that this process is rank ``rank``."""

@@ -24,7 +24,7 @@ import ctypes
 import torch
 
 from shim.device import state as dev
-from shim.memory.allocator import ALLOCATOR
+from shim.memory import allocator  # noqa: F401 - it builds RUNTIME.allocator
 from shim.native import build as native_build
 from shim.rank.runtime import RUNTIME
 from shim.tensor import wrapper as tensor
@@ -109,7 +109,7 @@ def install() -> None:
     register.restype = ctypes.c_int
     try:
         # dev._alloc: the thread's allocating_on() GPU, which overrides an output's GPU as in _fast
-        register(MirageTensor, dev._alloc, ALLOCATOR.hold, views, plain)
+        register(MirageTensor, dev._alloc, RUNTIME.allocator.hold, views, plain)
     except (RuntimeError, TypeError) as e:  # the error the library set (PyDLL raises it)
         FAST_DISPATCH_ERROR = f"cannot register the fast dispatch kernels: {e}"
         return

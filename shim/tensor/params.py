@@ -24,7 +24,7 @@ import sys
 import torch
 
 from shim.import_hooks import after_import
-from shim.memory.allocator import ALLOCATOR
+from shim.rank.runtime import RUNTIME
 from shim.tensor.wrapper import MirageTensor
 
 _DATA = torch._C.TensorBase.data  # the C++ getter/setter (set_data)
@@ -66,7 +66,7 @@ def _set_data(t, new) -> None:
     if isinstance(t, MirageTensor) and isinstance(new, MirageTensor) and t._elem is not new._elem:
         t._elem = new._elem
         t._gpu = new._gpu
-        ALLOCATOR.moved(t)  # counted through its new storage, the old one released
+        RUNTIME.allocator.moved(t)  # counted through its new storage, the old one released
 
 
 def _swap_in(t, new) -> None:

@@ -24,7 +24,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 
 from shim.device import deferred, rng
 from shim.device import state as dev
-from shim.memory.allocator import ALLOCATOR
+from shim.memory import allocator  # noqa: F401 - it builds RUNTIME.allocator
 from shim.ops import attention
 from shim.ops.functional import functional_collective, traced_collective
 from shim.rank.runtime import RUNTIME
@@ -34,7 +34,7 @@ BACKEND_DEVICE = torch.device(BACKEND, 0)
 
 _aten = torch.ops.aten
 # ops that legitimately take CPU tensors alongside cuda ones
-_MIXED_OK = {
+_MIXED_OK = frozenset({
     _aten.copy_.default,
     _aten._to_copy.default,
     _aten.index.Tensor,
@@ -42,11 +42,11 @@ _MIXED_OK = {
     _aten._index_put_impl_.default,
     _aten.index_put.default,
     _aten.lift_fresh.default,
-}
+})
 
 
 #: ops that copy a tensor to another device (``cpu``: off the emulated GPU)
-_LEAVING_OPS = {_aten._to_copy.default, _aten.to.dtype_layout, _aten.to.device}
+_LEAVING_OPS = frozenset({_aten._to_copy.default, _aten.to.dtype_layout, _aten.to.device})
 
 
 class _CudaStorage(torch.UntypedStorage):
@@ -76,7 +76,7 @@ class MirageTensor(torch.Tensor):
     def __del__(self):
         # the last wrapper of a storage frees it on its GPU (torch.cuda.memory_allocated drops)
         if self._mem:
-            ALLOCATOR.release(self._mem)
+            RUNTIME.allocator.release(self._mem)
 
     @property
     def device(self) -> torch.device:  # type: ignore[override]
@@ -178,12 +178,12 @@ class MirageTensor(torch.Tensor):
 _PLAIN, _TO, _DROPOUT, _DROPOUT_BACKWARD, _COLLECTIVE, _KERNEL, _RANDOM = range(7)
 #: ops that wait for the GPU to hand a value or a size to the host (what set_sync_debug_mode flags; D2H copies
 #: and boolean-mask indexing are told apart by their arguments, in _synchronizes)
-_SYNCING = {_aten._local_scalar_dense.default, _aten.nonzero.default, _aten.masked_select.default,
-            _aten._unique2.default, _aten.unique_dim.default, _aten.unique_consecutive.default,
-            _aten.repeat_interleave.Tensor}
+_SYNCING = frozenset({_aten._local_scalar_dense.default, _aten.nonzero.default, _aten.masked_select.default,
+                      _aten._unique2.default, _aten.unique_dim.default, _aten.unique_consecutive.default,
+                      _aten.repeat_interleave.Tensor})
 #: schema types that never hold a tensor or a device (SymInt is IntType here)
-_NO_TENSOR = {"IntType", "BoolType", "NumberType", "FloatType", "StringType", "ComplexType", "GeneratorType",
-              "AnyEnumType"}
+_NO_TENSOR = frozenset({"IntType", "BoolType", "NumberType", "FloatType", "StringType", "ComplexType",
+                        "GeneratorType", "AnyEnumType"})
 
 
 def _tensor_slot(t) -> bool | None:
@@ -406,7 +406,7 @@ def _same_wrapper(w: MirageTensor, o: torch.Tensor, gpu: int) -> MirageTensor:
         # Python object (set_data), since callers, and C++ composites such as arange that return
         # their own out tensor, keep their reference to it.
         w.data = _new(o, gpu, None)
-        ALLOCATOR.moved(w)  # a resize may have re-allocated the storage: the GPU's books follow
+        RUNTIME.allocator.moved(w)  # a resize may have re-allocated the storage: the GPU's books follow
     return w
 
 
@@ -441,7 +441,7 @@ def _new(elem: torch.Tensor, gpu: int, src: MirageTensor | None) -> MirageTensor
     if type(elem) is not torch.Tensor and traced(elem):
         return r  # no memory of its own: what the compiled code allocates is counted once wrapped
     if src is None:
-        r._mem = ALLOCATOR.hold(elem, gpu)
+        r._mem = RUNTIME.allocator.hold(elem, gpu)
     else:
         r._src = src
     return r
@@ -487,7 +487,7 @@ def _empty_memory_format(size, dtype=None, layout=None, device=None, pin_memory=
     if not RUNTIME.device.initialized:
         dev.initialize()  # every cuda tensor made from scratch starts in one of these two factories
     gpu = dev.allocation_device()
-    ALLOCATOR.check(gpu, math.prod(size) * _itemsize(dtype))  # before the host allocates it
+    RUNTIME.allocator.check(gpu, math.prod(size) * _itemsize(dtype))  # before the host allocates it
     elem = torch.empty(size, dtype=dtype, layout=layout, memory_format=memory_format)
     return MirageTensor(elem, gpu)
 
@@ -498,7 +498,7 @@ def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memor
     gpu = dev.allocation_device()
     if all(n > 0 for n in size):
         extent = 1 + sum((n - 1) * st for n, st in zip(size, stride))
-        ALLOCATOR.check(gpu, extent * _itemsize(dtype))
+        RUNTIME.allocator.check(gpu, extent * _itemsize(dtype))
     elem = torch.empty_strided(size, stride, dtype=dtype, layout=layout)
     return MirageTensor(elem, gpu)
 

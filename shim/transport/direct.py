@@ -3,7 +3,7 @@
 Through the daemon, a small all-reduce costs every rank a round trip on the
 fast socket and the daemon a turn of its loop: on two cores, more CPU than
 gloo's whole all-reduce. So an all-reduce or broadcast of at most
-``MAX_BYTES`` (``MIRAGE_DIRECT_MAX_BYTES``, 64 KiB by default; 0 turns this
+``RUNTIME.staging.direct_max_bytes`` (``MIRAGE_DIRECT_MAX_BYTES``, 64 KiB by default; 0 turns this
 off), or a barrier, goes rank to rank instead, as RCCL's P2P transport reads
 a peer's buffer directly:
 
@@ -48,8 +48,7 @@ from wire.arena import SHM_DIR, arena_name
 from wire.schema import DIRECT_OPS, CollOp, ReduceOp
 
 
-def _max_bytes() -> int:
-    raw = RUNTIME.settings.direct_max_bytes
+def _max_bytes(raw: str) -> int:
     try:
         value = int(raw)
     except ValueError:
@@ -59,8 +58,13 @@ def _max_bytes() -> int:
     return max(0, min(value, 16 << 20))
 
 
-#: Largest input taken rank to rank (bytes); 0 when the path is off (or not on x86-64).
-MAX_BYTES = _max_bytes() if platform.machine() == "x86_64" else 0
+def _size_rings(runtime) -> None:
+    # the largest input taken rank to rank (bytes); 0 when the path is off (or not on x86-64)
+    on = platform.machine() == "x86_64"
+    runtime.staging.direct_max_bytes = _max_bytes(runtime.settings.direct_max_bytes) if on else 0
+
+
+RUNTIME.attach(_size_rings)  # where this path loads: a bad value stops the ranks, not every process
 #: Slots per ring: how many direct collectives a rank may post before its peers finished the oldest.
 SLOTS = 8
 
@@ -109,7 +113,8 @@ def _reached(counter: int, n: int) -> bool:
 
 def eligible(op: CollOp, nbytes: int, dtype: str, reduce_op: ReduceOp) -> bool:
     """Whether a collective goes rank to rank; the same answer on every rank that runs the same collective."""
-    if not MAX_BYTES or op not in DIRECT_OPS or nbytes > MAX_BYTES or dtype not in _DTYPES:
+    max_bytes = RUNTIME.staging.direct_max_bytes
+    if not max_bytes or op not in DIRECT_OPS or nbytes > max_bytes or dtype not in _DTYPES:
         return False
     if op is CollOp.ALLREDUCE:
         try:
@@ -160,13 +165,14 @@ class PeerRings:
         self.heads: dict[int, bytes] = {}  # by ring index: the header this rank posted there
         self._rings: list[_Ring | None] = [None] * size
         self._rings[rank] = self._create()
-        _OWNED.append((os.getpid(), self._rings[rank].path, self))
+        RUNTIME.staging.rings.append((os.getpid(), self._rings[rank].path, self))
 
     def _create(self) -> _Ring:
         # written under a temporary name and renamed: a peer never maps a file not yet its full size
         path = os.path.join(SHM_DIR, self._names[self.rank])
         tmp = f"{path}.{os.getpid()}"
-        size = _HEAD + SLOTS * (_SLOT_HEAD + MAX_BYTES)
+        max_bytes = RUNTIME.staging.direct_max_bytes
+        size = _HEAD + SLOTS * (_SLOT_HEAD + max_bytes)
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             try:
@@ -177,7 +183,7 @@ class PeerRings:
                     f"mirage: no room in {SHM_DIR} for a rank-to-rank ring of {size} bytes ({e.strerror}); "
                     "free some, or set MIRAGE_DIRECT_MAX_BYTES=0 (every collective through the daemon)"
                 ) from None
-            ring = _Ring(path, fd, MAX_BYTES)
+            ring = _Ring(path, fd, max_bytes)
             os.rename(tmp, path)
         except BaseException:
             os.unlink(tmp)
@@ -300,14 +306,10 @@ class PeerRings:
         self._rings[self.rank].counters[1] = index & 0xFFFFFFFF
 
 
-#: Ring files made here (by which process, for which rings), removed at exit (the session removes
-#: them if it is killed).
-_OWNED: list[tuple[int, str, PeerRings]] = []
-
-
 @atexit.register
 def _unlink_owned() -> None:
-    for pid, path, rings in _OWNED:
+    # the ring files made here (RUNTIME.staging.rings); the session removes them if the rank is killed
+    for pid, path, rings in RUNTIME.staging.rings:
         if pid != os.getpid():
             continue  # a forked child's exit: its parent still uses them
         if not rings.peers_done():

@@ -17,9 +17,6 @@ from shim.cuda.api import NCCL_VERSION
 from shim.rank.runtime import RUNTIME
 from wire.profiles import bus_id
 
-_version_printed = False
-
-
 def enabled() -> bool:
     return os.environ.get("NCCL_DEBUG", "").upper() in ("INFO", "TRACE")
 
@@ -52,13 +49,11 @@ def transport(my_host: str, peer_host: str) -> str:
 
 def print_init(comm: str, rank: int, devices: list[int], hosts: list[str]) -> None:
     """The lines of one rank's communicator init (ring channel to the next rank, then Init COMPLETE)."""
-    global _version_printed
     dev = devices[rank]
     prefix = f"{socket.gethostname()}:{os.getpid()}:{threading.get_native_id()} [{dev}] NCCL INFO"
     version = ".".join(map(str, NCCL_VERSION))
     lines = []
-    if not _version_printed:
-        _version_printed = True
+    if RUNTIME.once.first("nccl-version"):  # the process's first communicator, as RCCL prints it
         lines.append(f"{prefix} RCCL version {version}+hip6.4 (emulated by mirage)")
         lines.append(f"{prefix} Bootstrap : Using {_interface()}<0>")
         for var in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_SOCKET_IFNAME"):

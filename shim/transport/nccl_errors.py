@@ -12,18 +12,19 @@ import os
 import socket
 import sys
 import threading
+from types import MappingProxyType
 
 import torch.distributed as dist
 
 from shim.cuda.api import NCCL_VERSION
 from wire import schema as s
 
-_NCCL_TEXT = {
+_NCCL_TEXT = MappingProxyType({
     "ncclInvalidUsage": ("invalid usage", "This usually reflects invalid usage of NCCL library."),
     "ncclInvalidArgument": ("invalid argument", "Invalid value for an argument."),
     "ncclSystemError": ("unhandled system error", "System call (e.g. socket, malloc) or external library call failed."),
     "ncclRemoteError": ("remote process exited or there was a network error", "A call failed possibly due to a network error or a remote process exiting prematurely."),
-}
+})
 
 
 def nccl_error(code: str, message: str, device: int) -> dist.DistBackendError:

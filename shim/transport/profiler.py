@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from types import MappingProxyType
 
 import torch
 
@@ -21,11 +22,11 @@ _native: ctypes.CDLL | None = None
 NATIVE_ERROR: str | None = "shim.transport.profiler.load() has not run"
 _profiler_enabled = torch._C._autograd._profiler_enabled
 #: c10's ScalarType numbering, which ParamCommsDebugInfo records as the collective's dtype
-_SCALAR_TYPE = {
+_SCALAR_TYPE = MappingProxyType({
     torch.uint8: 0, torch.int8: 1, torch.int16: 2, torch.int32: 3, torch.int64: 4, torch.float16: 5,
     torch.float32: 6, torch.float64: 7, torch.complex32: 8, torch.complex64: 9, torch.complex128: 10,
     torch.bool: 11, torch.bfloat16: 15,
-}
+})
 _Handle = ctypes.c_void_p
 
 

@@ -10,7 +10,7 @@ descriptor is handed to the daemon over the fast socket (SCM_RIGHTS, in a
 ``RegisterBuffer``); collectives then name the buffer and an offset, and the
 daemon reduces straight into the tensor, as a GPU does in device memory.
 
-Which storages: a collective tensor of at least ``MIN_BYTES`` whose storage
+Which storages: a collective tensor of at least ``MIRAGE_ZERO_COPY_MIN_BYTES`` whose storage
 is counted by the wrapper at hand alone (``shim.memory.allocator`` follows the storage
 to its new address), from its *second* collective on (``MIRAGE_ZERO_COPY``:
 ``reuse``, the default; ``always``; ``off``). A buffer allocated afresh for
@@ -40,19 +40,13 @@ from dataclasses import dataclass
 
 import torch
 
-from shim.memory.allocator import ALLOCATOR
+from shim.memory import allocator  # noqa: F401 - it builds RUNTIME.allocator
 from shim.rank.runtime import RUNTIME
 from shim.transport import nccl_debug
 from wire import schema as s
 
 SHM_DIR = "/dev/shm"  # where torch puts a shared storage's (unlinked) file
 
-#: Smallest tensor that takes this path. Zero-copy pays from far below (a 2-rank all-reduce of
-#: 64 KiB: 141-153 us of rank CPU against 250-254 staged; 256 KiB: 172-199 against 287-294), but
-#: each registered storage holds a descriptor, a mapping and its bytes in /dev/shm for its life.
-MIN_BYTES = RUNTIME.settings.zero_copy_min_bytes
-#: "reuse": from a storage's second collective on; "always": from its first; "off".
-MODE = RUNTIME.settings.zero_copy
 #: Buffers a rank keeps registered at once; past this, tensors are staged.
 MAX_BUFFERS = 1024
 
@@ -94,7 +88,11 @@ class SharedBuffers:
         """(buffer id, byte offset) of ``elem``'s data in a registered buffer, registering its storage
         if it qualifies now; None: stage it. ``owner`` is the collective's tensor (``elem`` its data)."""
         nbytes = elem.numel() * elem.element_size()
-        if MODE == "off" or nbytes < MIN_BYTES or not self._client.has_fast:
+        # the smallest tensor (settings.zero_copy_min_bytes): zero-copy pays from far below (a 2-rank
+        # all-reduce of 64 KiB: 141-153 us of rank CPU against 250-254 staged; 256 KiB: 172-199 against
+        # 287-294), but each registered storage holds a descriptor, a mapping and its bytes in /dev/shm
+        settings = RUNTIME.settings
+        if settings.zero_copy == "off" or nbytes < settings.zero_copy_min_bytes or not self._client.has_fast:
             return None
         storage = elem.untyped_storage()
         key = id(storage)
@@ -108,7 +106,7 @@ class SharedBuffers:
             return None
         if key in self._refused:
             return None
-        if MODE != "always" and key not in self._seen:
+        if settings.zero_copy != "always" and key not in self._seen:
             self._seen[key] = weakref.ref(storage, lambda _, k=key: self._seen.pop(k, None))
             return None
         self._seen.pop(key, None)
@@ -142,7 +140,7 @@ class SharedBuffers:
             return storage.data_ptr()
 
         try:
-            if not ALLOCATOR.rehome(owner, move):
+            if not RUNTIME.allocator.rehome(owner, move):
                 return None  # other wrappers count the storage at its old address
         except (RuntimeError, OSError):
             return None  # e.g. already shared by file name (torch.multiprocessing's file_system strategy)

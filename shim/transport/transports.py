@@ -460,7 +460,7 @@ class Paths:
             self.main = SocketTransport(comm)
         else:
             self.main = ArenaTransport(comm)
-        ok = data_path == "shm" and comm.client.has_fast and direct.MAX_BYTES > 0
+        ok = data_path == "shm" and comm.client.has_fast and RUNTIME.staging.direct_max_bytes > 0
         self.direct = DirectTransport(comm) if ok else None
 
     def path(self, call: Call) -> Transport:
