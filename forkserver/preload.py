@@ -29,7 +29,11 @@ PRELOAD = ("numpy", "torch", "torch.distributed", "torch.nn.parallel", "torch.di
 #: which the server cannot watch); those read from Python while the modules load are recorded (:func:`preload`)
 _NATIVE_READS = ("PYTHON", "KMP_", "GOMP_", "OPENBLAS_", "MKL_", "LD_", "MALLOC_")
 #: among those, the ones read later, or applied to the rank after it forked (program.become)
-_READ_LATER = ("PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONIOENCODING", "MKL_NUM_THREADS")
+_READ_LATER = ("PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONIOENCODING", "MKL_NUM_THREADS",
+               # read as dynamo loads only to place its precompile cache (DynamoCache, off unless asked for);
+               # inductor reads it when it compiles. The shim sets it in every rank (Lightning's children
+               # inherit it), so comparing it would refuse every process a rank starts
+               "TORCHINDUCTOR_CACHE_DIR")
 #: where a walk of the whole environment reads each variable (os.environ.copy(), .items(): 3.11 freezes both)
 _WALKERS = frozenset({os.__file__, _abc.__file__, "<frozen os>", "<frozen _collections_abc>"})
 #: the variables the preloaded modules read from os.environ while they loaded (filled by preload)
@@ -47,7 +51,7 @@ def env_mismatch(env: dict[str, str]) -> str | None:
     """The first variable the preloaded modules (or the interpreter) read while they loaded whose value in
     ``env`` is not the one they saw; None if a rank with ``env`` would have loaded them the same way."""
     native = {k for k in env.keys() | _BEFORE.keys() if k.startswith(_NATIVE_READS) and not k.startswith(_READ_LATER)}
-    for k in sorted(native | READ_FROM_PYTHON):
+    for k in sorted((native | READ_FROM_PYTHON) - set(_READ_LATER)):
         theirs = env.get(k)
         if k == SERVER_ENV or theirs == _BEFORE.get(k):
             continue

@@ -67,10 +67,26 @@ def become(h: Handover, fds: list[int], server: int, stub: int) -> None:
     os.environ.clear()
     os.environ.update(h.env)
     os.environ["MIRAGE_FORKED_AS"] = f"{os.getpid()}:{stub}"  # the shim names the stub as what was launched
+    os.getppid = _parent_through(stub)
     sys.argv, sys.orig_argv = list(h.argv), list(h.orig_argv)
     sys.path[:] = h.path
     _stdio(h.stdio, set(h.fds))
     _fresh_modules(h.env)
+
+
+def _parent_through(stub: int):
+    """``os.getppid`` for a forked rank: its stub's parent (the launcher), which is who a fresh process's
+    parent would be; inductor's compile workers, given the rank's pid, exit when getppid() differs."""
+    real = os.getppid
+
+    def getppid() -> int:
+        try:
+            with open(f"/proc/{stub}/stat", "rb") as f:
+                return int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):  # the stub is gone: the rank ends with it
+            return real()
+
+    return getppid
 
 
 def _take_fds(received: list[int], targets: list[int], inheritable: list[bool]) -> None:

@@ -30,7 +30,7 @@ out = {
     "cwd": os.getcwd(), "umask": os.umask(0o022), "env": os.environ.get("PROBE_VAR"),
     "line_buffering": sys.stdout.line_buffering, "write_through": sys.stdout.write_through,
     "encoding": sys.stdout.encoding, "sigint": str(signal.getsignal(signal.SIGINT)),
-    "sighup": str(signal.getsignal(signal.SIGHUP)), "main_dict": sorted(k for k in globals() if k.startswith("__")),
+    "sighup": str(signal.getsignal(signal.SIGHUP)), "parent": os.getppid() == int(os.environ["PROBE_PARENT"]), "main_dict": sorted(k for k in globals() if k.startswith("__")),
 }
 print(json.dumps(out))
 '''
@@ -76,7 +76,8 @@ def test_a_script_sees_what_a_fresh_interpreter_shows_it(server, tmp_path):
     _proc, served, fresh = server
     for args in (["-u", str(link / "linked.py"), "a", "--b"], [str(script)], ["-c", PROBE, "x"],
                  ["-uc", PROBE, "y"]):
-        outs = [subprocess.run([sys.executable, *args], env={**env, "PROBE_VAR": "v"}, cwd=tmp_path,
+        outs = [subprocess.run([sys.executable, *args], env={**env, "PROBE_VAR": "v", "PROBE_PARENT": str(os.getpid())},
+                               cwd=tmp_path,
                                capture_output=True, text=True, timeout=120) for env in (fresh, served)]
         assert outs[0].returncode == outs[1].returncode == 0, (outs[0].stderr, outs[1].stderr)
         assert outs[0].stdout == outs[1].stdout, args
@@ -88,7 +89,8 @@ def test_a_module_runs_as_python_m_runs_it(server, tmp_path):
     (tmp_path / "pkg" / "__init__.py").write_text("")
     (tmp_path / "pkg" / "tool.py").write_text(PROBE)
     _proc, served, fresh = server
-    outs = [subprocess.run([sys.executable, "-m", "pkg.tool", "--flag"], env=env, cwd=tmp_path,
+    outs = [subprocess.run([sys.executable, "-m", "pkg.tool", "--flag"], env={**env, "PROBE_PARENT": str(os.getpid())},
+                           cwd=tmp_path,
                            capture_output=True, text=True, timeout=120) for env in (fresh, served)]
     assert outs[0].stdout == outs[1].stdout and outs[0].returncode == outs[1].returncode == 0, outs[1].stderr
     assert '"argv": ["' + str(tmp_path / "pkg" / "tool.py") in outs[1].stdout
