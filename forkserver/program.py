@@ -8,7 +8,7 @@ process would have (its own random seeds, its thread count).
 (``shim.bootstrap.boot``) and runs the script, ``-m`` module or ``-c``
 command in a new ``__main__``, ending as the interpreter would: an uncaught
 exception's traceback (from the program's own frames) and exit status 1, or
-``SystemExit``'s code.
+``SystemExit``'s code, after the exit hooks (:func:`_exit` says what it skips).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import builtins
 import ctypes
 import fcntl
+import gc
 import importlib
 import io
 import os
@@ -164,7 +165,7 @@ def _exec_main(kind: str, value: str) -> None:
 
 
 def run(h: Handover) -> None:
-    """Boot the shim as sitecustomize would in a session, run the program; raise SystemExit with its status."""
+    """Boot the shim as sitecustomize would in a session, run the program, and end as the interpreter would."""
     kind, value = _mode(h)
     first = sys_path0(h)
     if first is not None:
@@ -177,31 +178,67 @@ def run(h: Handover) -> None:
         bootstrap.boot()
     try:
         _exec_main(kind, value)
-    except SystemExit:
-        raise
+    except SystemExit as e:
+        _exit(_exit_code(e.code))
     except BaseException as e:  # what the interpreter does with it, less the server's frames
         tb = e.__traceback__
         while tb is not None and tb.tb_frame.f_code is not _exec_main.__code__:
             tb = tb.tb_next
         tb = tb.tb_next if tb is not None else e.__traceback__
         sys.excepthook(type(e), e.with_traceback(tb), tb)
-        if isinstance(e, KeyboardInterrupt):
-            _die_of_sigint()
-        raise SystemExit(1) from None
-    raise SystemExit(0)
+        _exit(1, by_sigint=isinstance(e, KeyboardInterrupt))
+    _exit(0)
 
 
-def _die_of_sigint() -> None:
-    """An uncaught KeyboardInterrupt ends the interpreter by SIGINT (after its exit hooks), as CPython does."""
+def _exit_code(code) -> int:
+    """SystemExit's code as the interpreter turns it into a status (anything else printed, status 1)."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    try:
+        print(code, file=sys.stderr)
+    except (OSError, ValueError, AttributeError):
+        pass
+    return 1
+
+
+def _files_of_this_process() -> list:
+    """The open, writable files among the objects this process made (the collector's generations; the
+    server's objects are frozen apart, and looking through them would copy them)."""
+    files = []
+    for generation in range(3):
+        for obj in gc.get_objects(generation):
+            if isinstance(obj, io.IOBase) and not obj.closed:
+                try:
+                    if obj.writable():
+                        files.append(obj)
+                except (OSError, ValueError):
+                    pass
+    return files
+
+
+def _exit(code: int, by_sigint: bool = False) -> None:
+    """End as the interpreter's finalization begins (wait for threads, exit hooks, flush the standard
+    streams), then leave without tearing down every module, as multiprocessing's forked children do.
+
+    The teardown would drop a reference to every object the server imported and so copy the whole shared
+    heap into this process (and spend half a second of CPU) just before it ends. What it would have done
+    that a program could notice: flush the files the program left open (done here); run ``__del__`` of
+    objects still alive, which CPython does not promise at exit. An uncaught KeyboardInterrupt ends the
+    process by SIGINT, as CPython does.
+    """
     import atexit
     import threading
 
     threading._shutdown()
     atexit._run_exitfuncs()
-    for s in (sys.stdout, sys.stderr):
+    for f in [*_files_of_this_process(), sys.stdout, sys.stderr]:
         try:
-            s.flush()
+            f.flush()
         except (OSError, ValueError, AttributeError):
             pass
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGINT)
+    if by_sigint:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(code)

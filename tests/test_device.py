@@ -90,7 +90,7 @@ def test_a_collective_inside_a_cuda_graph_capture_is_refused_naming_it(tmp_path)
 
 def test_ranks_report_gpu_memory_to_the_daemon(tmp_path):
     r = mirage_run(tmp_path, "--gpus-per-node", "2", "--hbm", "1GiB", "--", "torchrun", "--standalone",
-                   "--nproc_per_node=2", str(FIXTURES / "ddp_mlp.py"), steps=5)
+                   "--nproc_per_node=2", str(FIXTURES / "ddp_mlp.py"), steps=100)  # several report intervals
     assert r.returncode == 0, r.stderr[-3000:]
     usage = [e for e in events(tmp_path) if e["type"] == "memory_usage"]
     assert {(e["rank"], e["device"]) for e in usage} == {(0, 0), (1, 1)}

@@ -174,7 +174,7 @@ def test_ranks_get_their_own_random_seeds(server, tmp_path):
 
 FORKED = r'''
 import os, psutil
-parent = psutil.Process(os.getppid()).cmdline()
+parent = psutil.Process().parent().cmdline()  # the real one: os.getppid() answers the stub's parent
 print("forked" if "forkserver.server" in parent else "fresh", os.environ["CUDA_VISIBLE_DEVICES"])
 import torch
 print("count", torch.cuda.device_count())
@@ -194,3 +194,13 @@ def test_a_session_forks_its_ranks_unless_told_not_to(tmp_path, mode):
         assert f"[{rank}] {how} 1" in r.stdout
         assert f"[{rank}] count 1" in r.stdout  # the shim activated at the program's import of torch
     assert (run_dir(tmp_path / "runs") / "forkserver.log").exists() == (mode == "on")
+
+
+def test_a_file_left_open_is_flushed_and_exit_hooks_run(server, tmp_path):
+    script = tmp_path / "leave.py"
+    out = tmp_path / "left-open.txt"
+    script.write_text(f"import atexit\nf = open({str(out)!r}, 'w')\nf.write('every byte')\n"
+                      "atexit.register(print, 'hook ran')\n")
+    fresh, forked = both(server, [str(script)])
+    assert fresh.stdout == forked.stdout == "hook ran\n"
+    assert out.read_text() == "every byte"
