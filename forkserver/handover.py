@@ -97,10 +97,11 @@ def _wait(sock: socket.socket) -> None:
     """Pass signals on to the rank until the server says how it ended; end the same way."""
     reader = sock.makefile("r", encoding="utf-8")
     first = reader.readline().split(" ", 1)
-    if first[0] == "refuse":
+    if first[0] in ("refuse", ""):  # "": it ended before forking (a rank it forks dies with it)
         sock.close()
-        print(f"mirage: the fork server cannot start this process ({first[1].strip()}); "
-              f"starting it as a new interpreter", file=sys.stderr)
+        why = first[1].strip() if first[0] else "it ended before answering"
+        print(f"mirage: the fork server cannot start this process ({why}); starting it as a new interpreter",
+              file=sys.stderr)
         return
     if first[0] != "pid":
         os._exit(_lost())

@@ -95,7 +95,10 @@ def preload() -> None:
     environ.__getitem__, environ.get, environ.__contains__ = item, get, contains  # os.getenv calls get
     try:
         for name in PRELOAD:
-            importlib.import_module(name)
+            try:
+                importlib.import_module(name)
+            except ImportError as e:  # a rank that needs it imports it itself (and fails as it would)
+                print(f"forkserver: not preloaded: {name}: {e}", file=sys.stderr)
     finally:
         for name, value in saved.items():
             if value is None:
