@@ -209,12 +209,13 @@ def _files_of_this_process() -> list:
     files = []
     for generation in range(3):
         for obj in gc.get_objects(generation):
-            if isinstance(obj, io.IOBase) and not obj.closed:
-                try:
-                    if obj.writable():
-                        files.append(obj)
-                except (OSError, ValueError):
-                    pass
+            if not issubclass(type(obj), io.IOBase):  # type(): isinstance would ask a dead weakref proxy
+                continue
+            try:
+                if not obj.closed and obj.writable():
+                    files.append(obj)
+            except Exception:  # a file half torn down answers oddly: it is not ours to flush then
+                pass
     return files
 
 

@@ -204,3 +204,11 @@ def test_a_file_left_open_is_flushed_and_exit_hooks_run(server, tmp_path):
     fresh, forked = both(server, [str(script)])
     assert fresh.stdout == forked.stdout == "hook ran\n"
     assert out.read_text() == "every byte"
+
+
+def test_a_dead_weak_proxy_does_not_upset_the_end(server, tmp_path):
+    script = tmp_path / "proxy.py"  # inductor leaves such proxies behind
+    script.write_text("import weakref\nclass C: pass\nc = C()\np = weakref.proxy(c)\ndel c\nprint('done')\n")
+    fresh, forked = both(server, [str(script)])
+    assert fresh.returncode == forked.returncode == 0, forked.stderr
+    assert fresh.stdout == forked.stdout == "done\n"
