@@ -183,10 +183,10 @@ def classify(p: psutil.Process, fixture: str, root_pid: int, fork_server: bool =
 class Watch:
     """Samples a run's process tree until it ends; stops it if the machine runs short of memory."""
 
-    def __init__(self, proc: subprocess.Popen, fixture: str, args):
+    def __init__(self, proc: subprocess.Popen, fixture: str, args, fork_server: bool = False):
         self.proc = proc
         self.fixture = fixture
-        self.fork_server = getattr(args, "backend_fork_server", False)
+        self.fork_server = fork_server  # the ranks are the fork server's children, their stubs wait
         self.args = args
         self.s = Sample()
         self.kinds: dict[int, str] = {}
@@ -378,7 +378,6 @@ def events_times(run_dir: str, gpus: int, t0: float) -> tuple[float | None, floa
 
 def run_one(backend: str, workload: str, gpus: int, args) -> Result:
     r = Result(backend, workload, gpus)
-    args.backend_fork_server = backend == "mirage"
     cmd, env = command(backend, workload, gpus, args)
     avail = mem_available()
     if avail < args.min_avail_gib * 1024 ** 3 + args.need_mib_per_rank * MIB * gpus:
@@ -406,7 +405,7 @@ def run_one(backend: str, workload: str, gpus: int, args) -> Result:
 
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()
-        w = Watch(proc, FIXTURES[workload].name, args)
+        w = Watch(proc, FIXTURES[workload].name, args, fork_server=backend == "mirage")
         try:
             w.run(m0 + args.timeout)
         except KeyboardInterrupt:

@@ -27,6 +27,7 @@ _AGENT_MODULES = ("torch.distributed.run", "torch.distributed.launch")
 def _served_here(argv: list[str]) -> bool:
     """Whether this interpreter runs a program the server can take over: a script, ``-m`` or ``-c``
     (not an interactive prompt, nor torchrun's agent, which starts the ranks and stays itself)."""
+    # the test shim.bootstrap.is_torchrun_agent makes, which this module (standard library only) cannot import
     args = argv[1:]
     if len(argv) > 1 and os.path.basename(argv[1]) == "torchrun":
         return False

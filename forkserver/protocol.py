@@ -11,6 +11,7 @@ stub imports this before anything else.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import struct
 from dataclasses import asdict, dataclass, field
@@ -88,8 +89,6 @@ def recv_handover(sock: socket.socket) -> tuple[Handover, list[int]]:
 
 
 def _close(fd: int) -> None:
-    import os
-
     try:
         os.close(fd)
     except OSError:

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 
-from mirage_tui.hosts.processes import TERM_GRACE_S, die_with_starter
+from mirage_tui.hosts.processes import die_with_starter, stop_child
 
 SOCKET_NAME = "forkserver.sock"
 LOG_NAME = "forkserver.log"
@@ -47,16 +47,9 @@ class ForkServer:
 
     def stop(self) -> None:
         """SIGTERM (it ends once its ranks have), then SIGKILL after the grace period (its ranks die with it)."""
-        proc = self.proc
-        if proc is None:
+        if self.proc is None:
             return
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(TERM_GRACE_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_child(self.proc)
         try:
             os.unlink(self.path)
         except OSError:
