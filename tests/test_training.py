@@ -80,7 +80,9 @@ def test_ddp_variants_under_mp_spawn_match_gloo(tmp_path):
     env.update(STEPS=str(steps), DDP_VARIANTS_PORT=str(free_port()), DDP_VARIANTS_DIR=str(tmp_path))
     cpu = subprocess.run([sys.executable, str(FIXTURES / "ddp_variants.py"), "--device", "cpu", "--nprocs", "2"],
                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert cpu.returncode == 0, cpu.stdout + cpu.stderr
+    # torch's own gloo can abort a spawned child as the interpreter finalizes, after the program has finished
+    # ("terminate called without an active exception", pytorch/pytorch#179291): the figures are all printed by then
+    assert cpu.returncode == 0 or "ddp_variants_ok" in cpu.stdout, cpu.stdout + cpu.stderr
     # fp16 compression sums two fp16 values per element, exactly; the float32 sums of two of the others, too
     assert_same_figures(r.stdout, cpu.stdout, rel=1e-6)
     assert {what for _, what in figures(r.stdout)} == {"checksum fp16_hook_no_sync", "checksum powersgd",

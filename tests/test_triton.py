@@ -340,7 +340,8 @@ def test_importing_triton_changes_nothing_for_torch_outside_mirage(tmp_path):
             "print(torch.cuda.is_available(), t.has_triton(), 'TRITON_INTERPRET' in __import__('os').environ)\n"
             "f = torch.compile(lambda x: x.sin() + 1)\n"
             "x = torch.randn(8)\n"
-            "print(torch.allclose(f(x), x.sin() + 1), metrics.generated_kernel_count > 0)\n")
+            # inductor's vectorized sin differs from eager's by an ulp: near sin(x) = -1 that is no relative bound
+            "print(torch.allclose(f(x), x.sin() + 1, atol=1e-6), metrics.generated_kernel_count > 0)\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MIRAGE_", "TRITON_"))}
     env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor")  # a cache hit generates no kernel
     r = subprocess.run([sys.executable, "-c", prog], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
