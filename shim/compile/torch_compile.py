@@ -40,6 +40,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from shim.clock import compiled as compiled_clock
 from shim.import_hooks import after_import
+from shim.ops.higher_order import on_host_now
 from shim.rank.runtime import RUNTIME
 from shim.tensor.wrapper import BACKEND, MirageTensor, _new
 
@@ -79,6 +80,8 @@ def on_gpu(t: torch.Tensor, gpu: int) -> torch.Tensor:
     every output is.
     """
     if isinstance(t, MirageTensor):  # a *_like factory of an emulated tensor is one already
+        return t
+    if on_host_now():  # in a score or mask function run on the host tensors: one of them
         return t
     return _new(t, gpu, None)
 
@@ -227,6 +230,17 @@ def _codes(module) -> list:
     return found
 
 
+def _storages_inside(get_tensor_storages):
+    """Dynamo's ``get_tensor_storages``, which checks that a higher-order op's functions (``while_loop``'s
+    body, say) alias none of their inputs, and refuses a wrapper subclass: an emulated tensor's storage is
+    the host tensor's inside it."""
+
+    def storages(tensor):
+        return get_tensor_storages(tensor._elem if isinstance(tensor, MirageTensor) else tensor)
+
+    return storages
+
+
 def _prepare_dynamo() -> None:
     """Skip the shim's frames in dynamo, but those it inlines, let :func:`on_gpu` into its graphs, and keep
     inductor's cache of this shim's compiled code apart."""
@@ -257,6 +271,8 @@ def _prepare_dynamo() -> None:
 
     SubmodCompiler.run_node = _wrapping_fake_outputs(SubmodCompiler.run_node)
     torch._dynamo.allow_in_graph(on_gpu)
+    hops = sys.modules["torch._dynamo.variables.higher_order_ops"]
+    hops.get_tensor_storages = _storages_inside(hops.get_tensor_storages)
     _graph_break = torch._dynamo.graph_break
 
 

@@ -91,6 +91,9 @@ class MirageTensor(torch.Tensor):
 
     def __repr__(self, *, tensor_contents=None) -> str:
         # format the CPU data; torch then appends device='cuda:i' and grad_fn as usual
+        if tensor_contents is None and (type(self._elem) is not torch.Tensor or self._elem.is_meta):
+            # traced (a fake or functional tensor inside): no data to read, as a fake tensor prints
+            return f"tensor(..., device='{self.device}', size={tuple(self.shape)}, dtype={self.dtype})"
         if tensor_contents is None:
             if RUNTIME.device.sync_debug:  # printing copies the data to the host
                 dev.synchronizing()
@@ -254,8 +257,11 @@ def _fast(plan: _Plan, args: tuple):
             elif a._gpu != first._gpu:
                 return None
             uargs[i] = a._elem
-        elif isinstance(a, torch.Tensor) and a.dim() > 0:  # 0-dim CPU tensors (and numbers) are scalars
-            return None
+        elif isinstance(a, torch.Tensor):
+            if a.dim() > 0:  # 0-dim CPU tensors (and numbers) are scalars
+                return None
+            if a.device.type == BACKEND:
+                uargs[i] = _scalar_on_host(a)
     if first is None:
         return None
     override = dev.allocation_override()
@@ -342,6 +348,15 @@ def _synchronizes(func, args, kwargs) -> bool:
     return False
 
 
+def _scalar_on_host(t: torch.Tensor) -> torch.Tensor:
+    """A 0-dim tensor on the emulated device that is no wrapper, as the scalar it is, on the host.
+
+    While dynamo propagates fake tensors, a number that C++ wraps as a tensor on its operand's device
+    (``torch.where(cond, x, 7)``'s 7) is a fake tensor on ``mirage:0`` beside the wrappers' CPU insides.
+    """
+    return t.to(_CPU)
+
+
 def _unwrap(items, inputs: list, cpus: list) -> list:
     """``items`` with every wrapper replaced by its CPU tensor; wrappers go to ``inputs``, CPU tensors to ``cpus``."""
     out = []
@@ -352,6 +367,8 @@ def _unwrap(items, inputs: list, cpus: list) -> list:
         elif isinstance(a, torch.Tensor):
             if a.dim() > 0:  # a 0-dim CPU tensor is a scalar, which any op takes alongside cuda ones
                 cpus.append(a)
+            elif a.device.type == BACKEND:
+                a = _scalar_on_host(a)
         elif isinstance(a, (list, tuple)) and not isinstance(a, torch.Size):
             a = type(a)(_unwrap(a, inputs, cpus))
         elif isinstance(a, torch.device) and a.type == BACKEND:
