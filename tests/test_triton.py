@@ -3,19 +3,23 @@
 ``import triton`` works as on a ROCm build; ``@triton.jit`` and ``@triton.autotune`` kernels launched on
 ``cuda`` tensors compute what torch computes on the CPU (Triton's interpreter over the emulated tensors'
 host memory, shim/compile/triton_runtime.py); ``triton.runtime.driver.active`` answers as the profile's GPU; a
-construct the interpreter cannot run fails with one line naming the kernel and the construct. Real
+construct the interpreter cannot run fails with one line naming the kernel and the construct; in clocked mode a
+launch takes its roofline time on the emulated timeline (shim/clock/triton_kernels.py). Real
 ``mirage run`` processes, no mocks; the programs are files, since Triton reads a kernel's source.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 
 import pytest
 
-from tests.test_run import REPO_ROOT, mirage_run
+from shim.clock.roofline import FP16_GEMM_EFFICIENCY, KERNEL_LAUNCH_S, MEMORY_EFFICIENCY
+from tests.test_run import FIXTURES, REPO_ROOT, mirage_run
+from wire.profiles import load_profile
 
 pytestmark = pytest.mark.usefixtures("no_orphans")
 
@@ -260,6 +264,7 @@ print("liger_ok")
 '''
 
 
+
 def _program(tmp_path, name: str, text: str) -> str:
     path = tmp_path / name
     path.write_text(text)
@@ -323,6 +328,39 @@ def test_triton_kernels_inside_torch_compile_run_in_the_interpreter(tmp_path):
     r = mirage_run(tmp_path / "runs", "--in-process", "--", "python", _program(tmp_path, "comp.py", COMPILED))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "compiled_ok" in _rank_lines(r.stdout), r.stdout[-3000:]
+
+
+def test_clocked_mode_prices_a_triton_launch_by_its_bytes_and_dots(tmp_path):
+    """A launch is a kernel on the emulated timeline: its bytes over HBM, its dots at the matrix rate, the launch."""
+    r = mirage_run(tmp_path / "runs", "--exec-mode", "clocked", "--", "python", str(FIXTURES / "triton_clocked.py"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    lines = _rank_lines(r.stdout)
+    assert "triton_clocked_ok" in lines, r.stdout[-3000:]
+    us = {tuple(line.split()[:-2]): float(line.split()[-2]) for line in lines if line.endswith(" us")}  # 4 places
+    mi350x = load_profile("mi350x")
+    launch_us = KERNEL_LAUNCH_S * 1e6
+    per_byte_us = 1e6 / (mi350x.hbm_tbps * 1e12 * MEMORY_EFFICIENCY)
+    # x and y read, out written, 4 bytes each, over the n lanes the masks leave on (not the grid's 31 x 32768)
+    assert us["add", "1000000"] == pytest.approx(3 * 1_000_000 * 4 * per_byte_us + launch_us, abs=1e-4)
+    assert us["add", "2000000"] - launch_us == pytest.approx(2 * (us["add", "1000000"] - launch_us), abs=2e-4)
+    # autotuned: the chosen config's launch alone; the benchmarking of both configs is the host's
+    assert us["tuned", "1000000"] == us["add", "1000000"] and us["tuned", "2000000"] == us["add", "2000000"]
+    # a 1024 x 1024 x 2048 fp16 tl.dot: 2·M·N·K at the fp16 matrix rate, more than its 10 MiB take
+    flops = 2 * 1024 * 1024 * 2048
+    assert us["matmul",] == pytest.approx(flops / (mi350x.fp16_tflops * 1e6 * FP16_GEMM_EFFICIENCY) + launch_us,
+                                          abs=1e-4)
+    (run,) = [p for p in (tmp_path / "runs").iterdir() if p.is_dir()]
+    trace = json.loads((run / "trace.json").read_text())
+    kernels = [(e["name"], e["args"]["bytes"], e["args"]["flops"], e["args"]["bound"]) for e in trace["traceEvents"]
+               if e.get("ph") == "X" and not e["name"].startswith(("aten::", "Memcpy"))]
+    assert kernels == [
+        ("add_kernel", 12_000_000, 0, "bytes-only"), ("add_tuned", 12_000_000, 0, "bytes-only"),
+        ("add_kernel", 24_000_000, 0, "bytes-only"), ("add_tuned", 24_000_000, 0, "bytes-only"),
+        ("matmul_kernel", (2 * 1024 * 2048 + 1024 * 1024) * 2, flops, "compute"),
+        # what a block pointer's and a descriptor's boundaries leave on, read and written; an atomic's lane
+        # reads and writes its element after its load
+        ("block_copy", 2 * 100 * 60 * 4, 0, "bytes-only"), ("desc_copy", 2 * 128 * 64 * 4, 0, "bytes-only"),
+        ("atomic_sum", 1000 * 4 + 2 * 1000 * 4, 0, "bytes-only")], kernels
 
 
 @pytest.mark.compile  # in the compile set (.ci/run): it takes half a minute

@@ -1,3 +1,3 @@
 """Clocked mode's rank side: emulated time per stream, the roofline cost of an op, and the pricing of
-compiled kernels.
+compiled kernels and Triton kernels.
 """

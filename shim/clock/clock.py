@@ -39,7 +39,7 @@ from types import MappingProxyType
 
 import torch
 
-from shim.clock.roofline import kernel_cost, op_cost
+from shim.clock.roofline import OpCost, kernel_cost, op_cost
 from shim.rank.runtime import RUNTIME
 from wire.profiles import Profile
 
@@ -197,16 +197,39 @@ class Clock:
             key = (gpu, self.stream_of(gpu))
             start = max(self.streams.get(key, 0.0), self.host)
             for name, flops, nbytes, dtype in kernels:
-                cost = kernel_cost(flops, nbytes, dtype, self.profile)
-                end = start + cost.seconds
-                self.compute.append((start, end))
-                self.ops += 1
-                if not cost.has_formula:
-                    self.bytes_only_ops += 1
-                self._record(("compute", name, gpu, key[1], start, end,
-                              {"flops": cost.flops, "bytes": cost.bytes, "bound": cost.bound}, self._issued(start)))
-                start = end
+                start = self._run(key, name, start, kernel_cost(flops, nbytes, dtype, self.profile))
             self.streams[key] = start
+
+    def kernel(self, gpu: int, name: str, cost: OpCost, tensors) -> None:
+        """One kernel priced by its caller (a Triton launch: shim/clock/triton_kernels.py) on the current
+        stream of ``gpu``; it starts once the collectives that wrote any of ``tensors`` have ended."""
+        deps = self._written_at(tensors)
+        with self.lock:
+            key = (gpu, self.stream_of(gpu))
+            self.streams[key] = self._run(key, name, max(self.streams.get(key, 0.0), self.host, deps), cost)
+
+    def _run(self, key: tuple[int, int], name: str, start: float, cost: OpCost) -> float:
+        """Record the kernel ``name`` on the stream ``key`` from ``start`` (lock held); when it ends."""
+        end = start + cost.seconds
+        self.compute.append((start, end))
+        self.ops += 1
+        if not cost.has_formula:
+            self.bytes_only_ops += 1
+        self._record(("compute", name, key[0], key[1], start, end,
+                      {"flops": cost.flops, "bytes": cost.bytes, "bound": cost.bound}, self._issued(start)))
+        return end
+
+    def _written_at(self, tensors) -> float:
+        """When the last collective that wrote one of the emulated ``tensors`` ends (0: none did)."""
+        deps = 0.0
+        if not self.ready_at:
+            return deps
+        for t in tensors:
+            try:
+                deps = max(deps, self.ready_at.get(t._elem.untyped_storage().data_ptr(), 0.0))
+            except RuntimeError:  # a storage torch invalidated: no collective wrote it
+                continue
+        return deps
 
     def copy_to_device(self, gpu: int, nbytes: int) -> None:
         """A host-to-device copy onto ``gpu`` (``.to("cuda")``, ``.cuda()``) on its current stream."""

@@ -204,10 +204,25 @@ def op_cost(func, args, kwargs, out, profile: Profile) -> OpCost:
 def kernel_cost(flops: int | None, nbytes: int, dtype: torch.dtype | None, profile: Profile) -> OpCost:
     """The roofline of one kernel that moves ``nbytes`` and computes ``flops`` in ``dtype`` (None: no formula,
     its time is its bytes); an op's (:func:`op_cost`), or a kernel a compiler fused from several."""
-    memory_s = nbytes / (profile.hbm_tbps * 1e12 * MEMORY_EFFICIENCY)
     if flops is None:
-        return OpCost(memory_s + KERNEL_LAUNCH_S, 0, nbytes, "bytes-only", False)
+        return OpCost(memory_seconds(nbytes, profile) + KERNEL_LAUNCH_S, 0, nbytes, "bytes-only", False)
+    return roofline_cost(compute_seconds(flops, dtype, profile), flops, nbytes, profile)
+
+
+def compute_seconds(flops: int, dtype: torch.dtype, profile: Profile) -> float:
+    """How long ``flops`` of math in ``dtype`` take on ``profile``'s GPU, at the fraction of peak large GEMMs reach."""
     peak, efficiency = peak_and_efficiency(profile, dtype)
-    compute_s = flops / (peak * efficiency)
+    return flops / (peak * efficiency)
+
+
+def memory_seconds(nbytes: int, profile: Profile) -> float:
+    """How long moving ``nbytes`` to or from HBM takes on ``profile``'s GPU, at the streaming fraction of peak."""
+    return nbytes / (profile.hbm_tbps * 1e12 * MEMORY_EFFICIENCY)
+
+
+def roofline_cost(compute_s: float, flops: int, nbytes: int, profile: Profile) -> OpCost:
+    """The roofline of a kernel whose math takes ``compute_s`` (:func:`compute_seconds`, summed over the
+    dtypes it computes in) and that moves ``nbytes``: the longer of the two, plus the launch."""
+    memory_s = memory_seconds(nbytes, profile)
     bound = "compute" if compute_s >= memory_s else "memory"
     return OpCost(max(compute_s, memory_s) + KERNEL_LAUNCH_S, flops, nbytes, bound, True)

@@ -28,6 +28,8 @@ it, costing nothing to a program that never does.
   the AMD backend provides get numpy implementations (fp32/fp64, as on the GPU); a Python float
   argument is an fp32 scalar inside the kernel, as compiled Triton passes it.
 - Speed: ``triton.language`` is patched for the interpreter once per launch, not at every helper call.
+- Clocked mode: each launch is a kernel on the emulated timeline, priced by what its programs loaded,
+  stored and multiplied (shim/clock/triton_kernels.py); the autotuner's benchmarking runs are not.
 - ``torch.compile``: a launch is a graph break and runs with dynamo off (dynamo traces compiled kernels,
   not the interpreter).
 - A construct the interpreter cannot run (``tl.inline_asm_elementwise``, an extern library call, a
@@ -42,6 +44,7 @@ import sys
 import time
 from types import MappingProxyType
 
+from shim.clock import triton_kernels
 from shim.compile import triton_libdevice
 from shim.import_hooks import after_import
 from shim.rank.runtime import RUNTIME
@@ -117,6 +120,8 @@ def _configure() -> None:
     _patch_scalar_args(interpreter)
     _patch_lang_once(interpreter)
     triton_libdevice.patch()
+    if RUNTIME.settings.clocked:
+        triton_kernels.install(interpreter)
     _run_outside_dynamo()  # where dynamo was imported first
 
 
@@ -162,9 +167,12 @@ class _DeviceUtils:
 
 def _host_benchmarker(kernel_call, warmup=None, rep=None, grad_to_none=None, quantiles=None,
                       return_mode="mean", **kwargs):
-    """The autotuner's benchmarker: one run, timed on the host (ms); the same figure for each quantile."""
+    """The autotuner's benchmarker: one run, timed on the host (ms); the same figure for each quantile.
+
+    The run is the host choosing a config, not the program's work: clocked mode leaves it unpriced."""
     start = time.perf_counter()
-    kernel_call()
+    with triton_kernels.unpriced():
+        kernel_call()
     ms = (time.perf_counter() - start) * 1e3
     if quantiles is not None:
         return [ms for _ in quantiles]
