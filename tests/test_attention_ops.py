@@ -108,7 +108,7 @@ check("_scaled_dot_product_flash_attention causal", out, ref(rq, rk, rv, band(S,
 out = a._scaled_dot_product_efficient_attention(q, k, v, m, True)[0]
 check("_scaled_dot_product_efficient_attention mask", out, ref(rq, rk, rv, rm), (q, k, v, m), (rq, rk, rv, rm))
 
-# flex attention with a score_mod and a block mask, eager and compiled (which runs eagerly here)
+# flex attention with a score_mod and a block mask, eager and compiled
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 

@@ -133,6 +133,111 @@ def test_torch_compile_compiles_on_the_emulated_gpu(tmp_path):
     assert "runs eagerly" not in r.stderr  # the old notice is gone from the default path
 
 
+HIGHER_ORDER = r'''
+import torch
+import torch._inductor.metrics as metrics
+from torch._dynamo.utils import counters
+from torch._higher_order_ops import while_loop
+from torch._subclasses.fake_tensor import FakeTensorMode
+from functorch.experimental.control_flow import map as hop_map
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+torch.manual_seed(0)
+B, H, S, D = 2, 2, 128, 16
+bias = torch.randn(S) * 0.1
+on_gpu_bias = bias.cuda()  # captured by the score function: dynamo lifts it into the op's buffers
+
+
+def score_mod(score, b, h, q_idx, kv_idx):
+    return score + (q_idx - kv_idx) * 0.1 + on_gpu_bias[kv_idx]
+
+
+def host_score_mod(score, b, h, q_idx, kv_idx):
+    return score + (q_idx - kv_idx) * 0.1 + bias[kv_idx]
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def reference(q, k, v):
+    """The same attention in float64 by plain autograd (the CPU's flex attention takes no gradients)."""
+    i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
+    s = q @ k.transpose(-2, -1) * D ** -0.5 + (i - j) * 0.1 + bias.double()[j]
+    return torch.softmax(s.masked_fill(j > i, float("-inf")), -1) @ v
+
+
+block_mask = create_block_mask(causal, B, H, S, S, device="cuda")
+host_mask = create_block_mask(causal, B, H, S, S, device="cpu")
+leaves = [torch.randn(B, H, S, D, dtype=torch.float64) for _ in range(3)]
+q, k, v = (t.float().cuda().requires_grad_() for t in leaves)
+rq, rk, rv = (t.clone().requires_grad_() for t in leaves)
+
+# flex attention trained under torch.compile: one graph, kernels generated, the reference's numbers
+compiled = torch.compile(flex_attention, fullgraph=True)
+metrics.generated_kernel_count = 0
+out = compiled(q, k, v, score_mod=score_mod, block_mask=block_mask)
+want = reference(rq, rk, rv)
+cot = torch.randn_like(want)
+out.backward(cot.float().cuda())
+want.backward(cot)
+assert out.device == torch.device("cuda", 0), out.device
+assert (out.cpu().double() - want).abs().max() < 2e-5, (out.cpu().double() - want).abs().max()
+for got, ref in zip((q, k, v), (rq, rk, rv)):
+    assert got.grad.device.type == "cuda" and (got.grad.cpu().double() - ref.grad).abs().max() < 2e-4
+assert metrics.generated_kernel_count > 0 and not counters["graph_break"], dict(counters["graph_break"])
+print("flex attention trained compiled, kernels", metrics.generated_kernel_count)
+
+# inference: inductor's C++ flex attention template, as it compiles plain CPU tensors
+with torch.no_grad():
+    got = compiled(q, k, v, score_mod=score_mod, block_mask=block_mask)
+    hq, hk, hv = (t.float() for t in leaves)
+    host = torch.compile(flex_attention, fullgraph=True)(hq, hk, hv, score_mod=host_score_mod, block_mask=host_mask)
+assert torch.allclose(got.cpu(), host, atol=1e-5, rtol=1e-5), (got.cpu() - host).abs().max()
+print("flex attention inference compiled")
+
+# control flow: torch.cond, while_loop and map in one graph each, values and gradients as eager
+def branchy(t):
+    return torch.cond(t.sum() > 0, lambda u: (u * u).sin(), lambda u: u.cos(), (t,)) * 2
+
+
+def doubling(t):
+    return while_loop(lambda i, u: i < 3, lambda i, u: (i + 1, u * 2), (torch.tensor(0, device=t.device), t))[1]
+
+
+for fn in (branchy, doubling, lambda t: hop_map(lambda row: row.exp(), t)):
+    for sign in (1, -1):
+        t = sign * torch.arange(6.0).reshape(2, 3) / 6
+        got = torch.compile(fn, fullgraph=True)(t.cuda())
+        assert got.device.type == "cuda" and torch.allclose(got.cpu(), fn(t), atol=1e-6), (fn, got, fn(t))
+for sign in (1, -1):
+    t = (sign * torch.arange(6.0) / 6).requires_grad_()
+    g = t.detach().cuda().requires_grad_()
+    torch.compile(branchy, fullgraph=True)(g).sum().backward()
+    branchy(t).sum().backward()
+    assert torch.allclose(g.grad.cpu(), t.grad, atol=1e-6), (g.grad, t.grad)
+assert not counters["graph_break"], dict(counters["graph_break"])
+print("control flow compiled")
+
+# a number beside an emulated tensor (torch.where's 7), traced: one graph
+m = torch.arange(4, device="cuda") % 2 == 0
+assert torch.compile(lambda m, x: torch.where(m, x, 7), fullgraph=True)(m, m.int()).tolist() == [1, 7, 1, 7]
+# a traced emulated tensor prints as a fake one, without reading data it has not
+with FakeTensorMode() as mode:
+    print("traced:", repr(mode.from_tensor(m)))
+print("higher_order_ok")
+'''
+
+
+def test_higher_order_ops_compile_over_the_emulated_tensors(tmp_path):
+    """flex attention (trained: its dense math compiled, as the CPU template is inference-only; inference:
+    the template), torch.cond / while_loop / map with fullgraph=True, against eager on the CPU."""
+    r = mirage_run(tmp_path, "--in-process", "--", "python", "-c", HIGHER_ORDER, timeout=400)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    lines = _lines(r.stdout)
+    assert "higher_order_ok" in lines, r.stdout[-3000:]
+    assert "traced: tensor(..., device='cuda:0', size=(4,), dtype=torch.bool)" in lines
+
 LOGGED = r'''
 import torch
 

@@ -24,7 +24,9 @@ _inside = threading.local()  # .depth: how many traced higher-order ops this thr
 
 
 def install(tensor_type: type) -> None:
-    """Give every higher-order op its dense rule for ``tensor_type``, and flex attention its autocast rule."""
+    """Give every higher-order op its dense rule for ``tensor_type``; flex attention and control flow their
+    rules for traced wrappers, and the functions that trace their graphs the host tensors; flex attention its
+    autocast rule."""
     from torch._C import DispatchKey
     from torch._higher_order_ops.flex_attention import flex_attention
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -37,6 +39,8 @@ def install(tensor_type: type) -> None:
             hop.py_impl(tensor_type)(_inside_when_traced(tensor_type, hop, dense))
             continue
         hop.py_impl(tensor_type)(dense)
+        if hop.name() not in _CONTROL_FLOW:
+            continue
         for mode_type, handler in list(hop.python_key_table.items()):
             if isinstance(mode_type, type) and issubclass(mode_type, TorchDispatchMode):
                 hop.python_key_table[mode_type] = _mode_rule_inside(tensor_type, handler)
@@ -51,8 +55,10 @@ def install(tensor_type: type) -> None:
             module.materialize_as_graph = on_host
 
 
-#: the higher-order ops that compile as on the GPU: traced, they run on the host tensors inside the wrappers
+#: the higher-order ops that compile as on the GPU: traced, they run on the host tensors inside the wrappers,
+#: flex attention's by their rule for the wrappers, control flow's by their tracing modes' rules
 _TRACED_ON_THE_INSIDE = frozenset({"flex_attention", "flex_attention_backward"})
+_CONTROL_FLOW = frozenset({"cond", "while_loop", "while_loop_stack_output", "map_impl", "scan", "associative_scan"})
 
 
 def _inside_when_traced(tensor_type: type, hop, dense):

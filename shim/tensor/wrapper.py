@@ -14,6 +14,8 @@ path of every op, read together; the parts that stand alone live beside it
 
 from __future__ import annotations
 
+import hashlib
+
 import math
 import threading
 
@@ -150,6 +152,16 @@ class MirageTensor(torch.Tensor):
     @staticmethod
     def __tensor_unflatten__(inner_tensors, gpu, outer_size, outer_stride):
         return _new(inner_tensors["_elem"], gpu, None)
+
+    def _stable_hash_for_caching(self) -> str:
+        """AOTAutograd's cache key for an emulated tensor in a graph: what torch's default for a wrapper
+        subclass holds (shape, requires_grad, the metadata inside), here with the GPU, and without its
+        warning that a subclass should say so itself."""
+        from torch._functorch._aot_autograd.autograd_cache import extract_tensor_metadata_for_cache_key
+
+        inside = extract_tensor_metadata_for_cache_key(self._elem)
+        key = repr((tuple(self.shape), self.requires_grad, self._gpu, inside))
+        return hashlib.sha256(key.encode()).hexdigest()
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
