@@ -14,8 +14,8 @@ def main() -> int:
     p.add_argument("--profile", default="mi350x")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=1)
-    p.add_argument("--exec-mode", choices=["functional", "clocked"], default="functional",
-                   help="clocked: time each collective on the profile's GPUs (docs/clocked.md)")
+    p.add_argument("--exec-mode", choices=["functional", "clocked", "estimate"], default="functional",
+                   help="clocked, estimate: time each collective on the profile's GPUs (docs/clocked.md)")
     p.add_argument("--hang-timeout", type=float, default=30.0, help="seconds before a partly joined collective is a hang")
     p.add_argument("--listen", default="", metavar="ADDR",
                    help="also take ranks over TCP on this address, CURVE-encrypted (multi-host runs)")

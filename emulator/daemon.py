@@ -111,7 +111,7 @@ class Daemon:
         self.gpus_per_node = gpus_per_node
         self.exec_mode = exec_mode
         # clocked mode: each collective's place in emulated time (None: functional mode, no clock)
-        clock = CollectiveClock(load_profile(profile)) if exec_mode == "clocked" else None
+        clock = CollectiveClock(load_profile(profile)) if exec_mode in ("clocked", "estimate") else None
         # two I/O threads: socket-transport frames from and to different ranks move in parallel (one
         # thread moves about 1.5 GB/s through a unix socket here; two halved a 32 MiB all-reduce's time)
         self.ctx = zmq.Context(io_threads=2)

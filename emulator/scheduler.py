@@ -152,6 +152,11 @@ _KERNELS = {
 }
 
 
+def _no_data(job: Job, a: int, b: int) -> None:
+    """An estimate-mode collective's kernel: its elements are walked (progress, the wave's budget) and none
+    is there to move."""
+
+
 def _p2p(job: Job, a: int, b: int) -> None:
     job.outputs[1][a:b] = job.inputs[0][a:b]
 
@@ -162,8 +167,8 @@ def make_p2p_job(comm: Communicator, pair: list[Posted], arena_of: Callable[[str
     send, recv = pair
     size = kernels.itemsize(send.request.dtype)
     n = send.request.numel
-    if not n:
-        return Job(comm, pair, [np.empty(0), np.empty(0)], [np.empty(0), np.empty(0)], 0, size, _p2p)
+    if not n or send.request.transport is Transport.SHAPES:  # nothing, or no values (estimate mode)
+        return Job(comm, pair, [np.empty(0), np.empty(0)], [np.empty(0), np.empty(0)], n, size, _no_data)
     src, _ = rank_buffers(send, n * size, 0, arena_of, payload_of)
     _, dst = rank_buffers(recv, 0, n * size, arena_of, payload_of)
     if dst is None:
@@ -291,6 +296,8 @@ def make_job(comm: Communicator, posted: list[Posted], arena_of: Callable[[str],
         CollOp.ALLTOALL: sum(r.numel for r in reqs),
         CollOp.BARRIER: 0,
     }.get(req.op, n)
+    if any(r.transport is Transport.SHAPES for r in reqs):  # estimate mode: no values, nothing to move
+        return Job(comm, posted, [np.empty(0)] * world, [np.empty(0)] * world, total, size, _no_data, plan=plan)
     inputs, outputs = [], []
     alike = req.op in (CollOp.ALLREDUCE, CollOp.ALLGATHER, CollOp.BROADCAST)  # every rank's output the same
     shared: np.ndarray | None = None

@@ -182,13 +182,14 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
         choices=[m.value for m in ExecMode],
         default=ExecMode.FUNCTIONAL.value,
         help="functional: right answers, no notion of time (default); clocked: also keep emulated time "
-        "and predict step times on the profile's GPUs (docs/clocked.md)",
+        "and predict step times on the profile's GPUs; estimate: the clock and the GPU memory without the "
+        "values, so a model of any size runs: step time, memory, out-of-memory (docs/clocked.md)",
     )
     parser.add_argument(
         "--program-clock",
         choices=[c.value for c in ProgramClock],
         default=ProgramClock.WALL.value,
-        help="with --exec-mode clocked: emulated makes the program's time.perf_counter, time.monotonic and "
+        help="with --exec-mode clocked or estimate: emulated makes the program's time.perf_counter, time.monotonic and "
         "time.time read the rank's emulated clock, so its own step times and tokens/s are the prediction; "
         "wall leaves them alone (default)",
     )

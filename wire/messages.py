@@ -81,6 +81,7 @@ class Transport(str, Enum):
 
     SHM = "shm"  # the rank's shared-memory arena (RCCL's P2P/SHM transports)
     SOCKET = "socket"  # ZeroMQ frames after the request and after its Done (RCCL's NET/Socket)
+    SHAPES = "shapes"  # estimate mode: no data at all; matched, booked and timed by its shape alone
 
 
 #: Collectives small enough may go rank to rank (``Collective.direct``): their output is every

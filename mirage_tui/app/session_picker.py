@@ -18,7 +18,7 @@ from mirage_tui.session.registry import SessionEntry
 def describe(entry: SessionEntry, now: float) -> str:
     """One line of the list: id, age, topology, profile, command."""
     age = int(now - entry.started)
-    clocked = " clocked" if entry.exec_mode == "clocked" else ""
+    clocked = f" {entry.exec_mode}" if entry.exec_mode != "functional" else ""
     return (f"{entry.session}  {age // 60}m{age % 60:02d}s  {entry.num_nodes}x{entry.gpus_per_node}{clocked}  "
             f"{entry.profile}  pid {entry.pid}  {shlex.join(entry.command)}")
 

@@ -39,7 +39,8 @@ from wire.profiles import ProfileError, load_profile, profile_names
 _LAUNCH_FORMS = [("torchrun on every node", launch_forms.TORCHRUN),
                  ("direct: one process per node", launch_forms.DIRECT)]
 _EXEC_MODES = [("functional: right answers, no notion of time", ExecMode.FUNCTIONAL.value),
-               ("clocked: also predicts step times (emulated clock)", ExecMode.CLOCKED.value)]
+               ("clocked: also predicts step times (emulated clock)", ExecMode.CLOCKED.value),
+               ("estimate: step time and memory at any size, no values", ExecMode.ESTIMATE.value)]
 
 
 class PathSuggester(Suggester):
@@ -204,7 +205,7 @@ class SetupScreen(Screen):
             hang_timeout_s=float(number("hang", "--hang-timeout", float)),
             in_process=self.query_one("#in-process", Switch).value,
             exec_mode=(mode := ExecMode(str(self.query_one("#exec-mode", Select).value))),
-            program_clock=self._program_clock if mode is ExecMode.CLOCKED else ProgramClock.WALL,
+            program_clock=self._program_clock if mode.keeps_time else ProgramClock.WALL,
             hbm_bytes=parse_size(hbm) if hbm else None,
             command=command,
             nproc_per_node=optional("nproc", "--nproc-per-node"),

@@ -49,7 +49,7 @@ def list_sessions(as_json: bool, show_all: bool) -> int:
     header = ("SESSION", "STATE", "AGE", "PID", "TOPOLOGY", "PROFILE", "COMMAND")
     table = [header] + [
         (e.session, state, _age(age), str(e.pid), f"{e.num_nodes}x{e.gpus_per_node}"
-         + (" clocked" if e.exec_mode == "clocked" else ""), e.profile, shlex.join(e.command))
+         + (f" {e.exec_mode}" if e.exec_mode != "functional" else ""), e.profile, shlex.join(e.command))
         for e, state, age in rows
     ]
     widths = [max(len(r[i]) for r in table) for i in range(len(header) - 1)]

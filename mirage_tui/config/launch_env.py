@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from mirage_tui.config.topology import ExecMode, ProgramClock, Topology, kept_env
+from mirage_tui.config.topology import ProgramClock, Topology, kept_env
 from wire import faults
 from wire.profiles import profile_path
 
@@ -66,7 +66,7 @@ def node_env(where: RankEnvironment, node: int, master_port: int) -> dict[str, s
     )
     if topo.in_process:
         env["MIRAGE_IN_PROCESS"] = "1"
-    if topo.exec_mode is ExecMode.CLOCKED:
+    if topo.exec_mode.keeps_time:
         env["MIRAGE_EXEC_MODE"] = topo.exec_mode.value
         if topo.program_clock is ProgramClock.EMULATED:  # the ranks' time.perf_counter & co. (shim.clock.program_clock)
             env["MIRAGE_PROGRAM_CLOCK"] = topo.program_clock.value

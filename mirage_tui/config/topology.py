@@ -46,10 +46,17 @@ class OnHang(str, Enum):
 
 
 class ExecMode(str, Enum):
-    """How the emulated GPUs run: right answers only, or right answers on an emulated clock (docs/clocked.md)."""
+    """How the emulated GPUs run: right answers only; right answers on an emulated clock; or the clock and
+    the memory without the values, at any size (docs/clocked.md)."""
 
     FUNCTIONAL = "functional"
     CLOCKED = "clocked"
+    ESTIMATE = "estimate"
+
+    @property
+    def keeps_time(self) -> bool:
+        """Whether the run keeps emulated time: clocked and estimate runs do."""
+        return self is not ExecMode.FUNCTIONAL
 
 
 class ProgramClock(str, Enum):
@@ -222,10 +229,10 @@ def check_combination(topology: Topology) -> None:
     if topology.in_process and topology.on_hang is OnHang.WAIT:
         raise UsageError("--on-hang wait acts on the daemon's hang reports, and --in-process has no daemon; "
                          "drop one of the two")
-    if topology.in_process and topology.exec_mode is ExecMode.CLOCKED:
-        raise UsageError("--exec-mode clocked needs the daemon, which keeps the emulated clock across ranks, "
-                         "and --in-process has none; drop one of the two")
-    if topology.program_clock is ProgramClock.EMULATED and topology.exec_mode is not ExecMode.CLOCKED:
+    if topology.in_process and topology.exec_mode.keeps_time:
+        raise UsageError(f"--exec-mode {topology.exec_mode.value} needs the daemon, which keeps the emulated clock "
+                         "across ranks, and --in-process has none; drop one of the two")
+    if topology.program_clock is ProgramClock.EMULATED and not topology.exec_mode.keeps_time:
         raise UsageError(f"--program-clock emulated reads the emulated clock, which --exec-mode "
                          f"{topology.exec_mode.value} does not keep; add --exec-mode clocked or drop --program-clock")
     if topology.launcher is Launcher.SLURM:

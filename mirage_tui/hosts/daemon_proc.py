@@ -36,7 +36,7 @@ class DaemonSettings:
     nodes: int
     gpus_per_node: int
     hang_timeout_s: float
-    exec_mode: str  # "functional" or "clocked"
+    exec_mode: str  # "functional", "clocked" or "estimate"
 
     def args(self) -> list[str]:
         """These settings as ``python -m emulator`` flags (``mirage_tui.hosts.agent`` takes the same: :meth:`parse`)."""
@@ -51,7 +51,7 @@ class DaemonSettings:
         p.add_argument("--nodes", type=int, required=True)
         p.add_argument("--gpus-per-node", type=int, required=True)
         p.add_argument("--hang-timeout", type=float, required=True)
-        p.add_argument("--exec-mode", choices=["functional", "clocked"], required=True)
+        p.add_argument("--exec-mode", choices=["functional", "clocked", "estimate"], required=True)
         a = p.parse_args(argv)
         return cls(a.profile, a.nodes, a.gpus_per_node, a.hang_timeout, a.exec_mode)
 

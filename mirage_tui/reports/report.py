@@ -10,7 +10,7 @@ import os
 import sys
 
 from mirage_tui.config.rundir import RunDir
-from mirage_tui.config.topology import ExecMode, Topology
+from mirage_tui.config.topology import Topology
 from mirage_tui.glyphs import human_bytes, human_seconds
 from mirage_tui.state.runstate import Outcome, RunState
 from wire.schema import HangKind
@@ -126,7 +126,7 @@ def to_json(state: RunState, topology: Topology, outcome: Outcome | None, run: R
             for h in st.hangs
         ],
     }
-    if topo.exec_mode is ExecMode.CLOCKED or st.clocked:
+    if topo.exec_mode.keeps_time or st.clocked:
         doc["clocked"] = {**st.clocked_json(), "profile": st.profile or topo.profile}
     return doc
 

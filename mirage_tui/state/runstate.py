@@ -234,7 +234,7 @@ class RunState:
             self.started_at = e.t
         self.nodes = max(self.nodes, e.nodes)
         self.exec_mode, self.profile = e.exec_mode, e.profile
-        return Changed.RANKS | (Changed.CLOCK if e.exec_mode == "clocked" else Changed.NOTHING)
+        return Changed.RANKS | (Changed.CLOCK if e.exec_mode != "functional" else Changed.NOTHING)
 
     def _registered(self, e: s.RankRegistered) -> Changed:
         self.rank_pids[e.rank] = e.pid
@@ -469,7 +469,7 @@ class RunState:
     @property
     def clocked(self) -> bool:
         """Whether the run keeps emulated time (the daemon said so, or a rank reported a step)."""
-        return self.exec_mode == "clocked" or bool(self.clocked_steps)
+        return self.exec_mode != "functional" or bool(self.clocked_steps)
 
     def rank_clock(self, rank: int) -> RankClock | None:
         """``rank``'s step figures, averaged over every step after the first (see :class:`RankClock`)."""

@@ -40,6 +40,7 @@ from types import MappingProxyType
 import torch
 
 from shim.clock.roofline import OpCost, kernel_cost, op_cost
+from shim.device.storages import storage_key
 from shim.rank.runtime import RUNTIME
 from wire.profiles import Profile
 
@@ -95,6 +96,7 @@ def _uncovered(these: list[tuple[float, float]], by: list[tuple[float, float]]) 
         if t < b:
             left += b - t
     return left
+
 
 
 class Clock:
@@ -158,7 +160,7 @@ class Clock:
                 gpu = g
             if ready_at:
                 try:
-                    t = ready_at.get(a._elem.untyped_storage().data_ptr())
+                    t = ready_at.get(storage_key(a._elem))
                 except RuntimeError:  # a storage torch invalidated (DTensor's chunk-and-cat views): no collective wrote it
                     continue
                 if t is not None and t > deps:
@@ -226,7 +228,7 @@ class Clock:
             return deps
         for t in tensors:
             try:
-                deps = max(deps, self.ready_at.get(t._elem.untyped_storage().data_ptr(), 0.0))
+                deps = max(deps, self.ready_at.get(storage_key(t._elem), 0.0))
             except RuntimeError:  # a storage torch invalidated: no collective wrote it
                 continue
         return deps
@@ -272,7 +274,7 @@ class Clock:
             for t in outputs or ():
                 t = getattr(t, "_elem", t)  # an emulated tensor's data
                 if t is not None and t.numel():
-                    self.ready_at[t.untyped_storage().data_ptr()] = end
+                    self.ready_at[storage_key(t)] = end
             if len(self.ready_at) > 4096:  # outputs nobody read before every stream went past them
                 done = min(self.streams.values())
                 self.ready_at = {p: t for p, t in self.ready_at.items() if t > done}

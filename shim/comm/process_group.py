@@ -6,7 +6,7 @@ CPU build refuses the real NCCL) while ``dist.get_backend()`` still answers
 as ProcessGroupNCCL does, takes their CPU data and calls :meth:`_run` once per
 collective, with a ``deliver`` that copies the flat output back into the
 caller's tensors. :meth:`_run` asks the communicator's transports
-(``shim/transport/transports.py``, :meth:`Paths.path <shim.transport.transports.Paths.path>`)
+(``shim/transport/transports.py``, :meth:`Paths.path <shim.transport.paths.Paths.path>`)
 which one carries the collective, and that transport posts it to the daemon;
 the returned ``Work`` (``shim/transport/stream.py``) completes the rank's
 collectives in the order they were posted, as on one stream.
@@ -29,10 +29,11 @@ from shim.cuda import graphs
 from shim.rank.runtime import RUNTIME
 from shim.transport import profiler as prof
 from shim.transport import stream
-from shim.transport.call_site import call_site
+from shim.rank.call_site import call_site
 from shim.transport.nccl_errors import nccl_error
 from shim.transport.stream import P2PWork, Pending
-from shim.transport.transports import Call, Comm, Paths, route
+from shim.transport.paths import Paths
+from shim.transport.transports import Call, Comm, route
 from wire import schema as s
 
 IN_PROCESS_MESSAGE = (
@@ -358,7 +359,7 @@ class MirageProcessGroup(dist.ProcessGroup):
             t_ready=0.0 if RUNTIME.clock is None else RUNTIME.clock.collective_ready(gpu_of(tensor), self._comm.id),
         )
         deliver = None if op is s.CollOp.SEND else into(elem)
-        return self._paths.main.post_p2p(request, elem, deliver, gpu_of(tensor), tensor)
+        return self._paths.p2p(elem).post_p2p(request, elem, deliver, gpu_of(tensor), tensor)
 
     @prof.profiled("nccl:send {rank}->{peer}", "send", 0)
     def send(self, tensors, dstRank, tag=0):

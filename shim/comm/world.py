@@ -27,7 +27,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from shim.comm import state as _state  # noqa: F401 - it builds RUNTIME.comm
 from shim.rank.runtime import RUNTIME
-from shim.transport.call_site import call_site
+from shim.rank.call_site import call_site
 from wire import schema as s
 
 #: What a command started by ``mirage exec`` gets when it calls ``init_process_group``.

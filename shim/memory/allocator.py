@@ -26,6 +26,7 @@ import torch
 from shim.device import deferred
 from shim.device import state  # noqa: F401 - it builds RUNTIME.device, which the allocator is sized by
 from shim.memory import history as memory_history
+from shim.device.storages import storage_key
 from shim.rank.runtime import RUNTIME
 
 BLOCK = 512  # the allocator rounds every request up to this
@@ -190,10 +191,13 @@ class Allocator:
     def hold(self, t: torch.Tensor, gpu: int) -> int:
         """Count ``t``'s storage on ``gpu`` (once however many wrappers share it); return its key."""
         ptr = t.data_ptr()
-        if ptr == 0:
+        if ptr:
+            offset = t.storage_offset()
+            key = ptr - offset * t.element_size() if offset else ptr
+        elif t.is_meta and t.untyped_storage().nbytes():
+            key = storage_key(t)  # estimate mode: a meta storage has no address
+        else:
             return 0  # empty tensors own no memory
-        offset = t.storage_offset()
-        key = ptr - offset * t.element_size() if offset else ptr
         with self._lock:
             if self._freed:
                 self._drain()  # first: a storage freed at this address must not be mistaken for this one

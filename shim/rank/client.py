@@ -150,7 +150,7 @@ class DaemonClient:
             raise ValueError("file descriptors travel only on the fast socket, without data frames")
         if (
             self._fast is not None and data is None and len(head) <= s.FAST_MAX_MESSAGE_BYTES
-            and getattr(msg, "transport", s.Transport.SHM) is s.Transport.SHM
+            and getattr(msg, "transport", s.Transport.SHM) is not s.Transport.SOCKET
         ):
             if reply:
                 with self._fast_cond:

@@ -54,8 +54,10 @@ class Settings:
     in_process: bool = False
     #: MIRAGE_EXEC=1: a command ``mirage exec`` runs beside the job: a probe, not a rank
     exec_probe: bool = False
-    #: MIRAGE_EXEC_MODE=clocked: keep emulated time (``shim.clock``); anything else is functional mode
+    #: MIRAGE_EXEC_MODE=clocked or estimate: keep emulated time (``shim.clock``); anything else is functional mode
     clocked: bool = False
+    #: MIRAGE_EXEC_MODE=estimate: emulated tensors hold no values (meta tensors inside), collectives move no bytes
+    estimate: bool = False
     #: MIRAGE_PROGRAM_CLOCK=emulated: in a clocked run, the program's ``time.perf_counter``/``monotonic``/``time``
     #: read the rank's emulated time (``shim.clock.program_clock``); ``wall`` (the default) leaves them alone
     program_clock: str = "wall"
@@ -119,7 +121,8 @@ class Settings:
             host_daemon_pid=_int(env, "MIRAGE_HOST_DAEMON_PID", 0),
             in_process=env.get("MIRAGE_IN_PROCESS") == "1",
             exec_probe=env.get("MIRAGE_EXEC") == "1",
-            clocked=env.get("MIRAGE_EXEC_MODE") == "clocked",
+            clocked=env.get("MIRAGE_EXEC_MODE") in ("clocked", "estimate"),
+            estimate=env.get("MIRAGE_EXEC_MODE") == "estimate",
             program_clock=env.get("MIRAGE_PROGRAM_CLOCK") or "wall",
             node_rank=_int(env, "MIRAGE_NODE_RANK", 0),
             num_nodes=_int(env, "MIRAGE_NUM_NODES", 1),

@@ -30,6 +30,7 @@ from shim.memory import allocator  # noqa: F401 - it builds RUNTIME.allocator
 from shim.ops import attention
 from shim.ops.functional import functional_collective, traced_collective
 from shim.rank.runtime import RUNTIME
+from shim.tensor import estimate
 
 BACKEND = dev.BACKEND  # must be registered before this module is imported
 BACKEND_DEVICE = torch.device(BACKEND, 0)
@@ -110,6 +111,8 @@ class MirageTensor(torch.Tensor):
     def tolist(self):
         if RUNTIME.device.sync_debug:
             dev.synchronizing()
+        if self._elem.is_meta:  # estimate mode: no values
+            return estimate.placeholder(self._elem, "Tensor.tolist()").tolist()
         return self._elem.tolist()
 
     def numpy(self, *, force: bool = False):
@@ -135,6 +138,8 @@ class MirageTensor(torch.Tensor):
 
     def data_ptr(self) -> int:  # type: ignore[override]
         """The data's address (nonzero, shared by views), as code that compares storages expects."""
+        if self._elem.is_meta:  # estimate mode: no memory; its storage's C++ object stands for its address
+            return self._elem.untyped_storage()._cdata + self._elem.storage_offset() * self._elem.element_size()
         return self._elem.data_ptr()
 
     def __format__(self, spec: str) -> str:
@@ -278,7 +283,10 @@ def _fast(plan: _Plan, args: tuple):
         return None
     override = dev.allocation_override()
     gpu = first._gpu if override is None else override
-    out = plan.run(*uargs)
+    if RUNTIME.settings.estimate and estimate.mixed(uargs):
+        out = estimate.run_on_meta(plan.run, plan.func, uargs, {})
+    else:
+        out = plan.run(*uargs)
     if type(out) is not torch.Tensor:
         return _wrap(out, gpu, [a for a in args if isinstance(a, MirageTensor)], plan, args)
     for a in args:  # in-place ops (and lift_fresh) return their argument: hand back the same wrapper
@@ -316,9 +324,15 @@ def _dispatch(func, plan: _Plan, args, kwargs):
         dev.synchronizing()
     override = dev.allocation_override()
     out_gpu = override if override is not None else gpu if gpu is not None else RUNTIME.device.current
+    if inputs and inputs[0]._elem.is_meta and (
+            func in _SYNCING or (func is _aten.copy_.default and not uargs[0].is_meta)):
+        return _without_values(func, uargs)  # estimate mode: values read on the host, or shapes they decide
     kind = plan.kind
     if kind == _PLAIN or kind == _KERNEL:
-        out = plan.run(*uargs, **ukwargs)
+        if RUNTIME.settings.estimate and (estimate.mixed(uargs) or estimate.mixed(ukwargs.values())):
+            out = estimate.run_on_meta(plan.run, func, uargs, ukwargs)
+        else:
+            out = plan.run(*uargs, **ukwargs)
     elif kind != _TO and _tracing(inputs):
         # torch.compile traces (shim/compile/torch_compile.py): a random op or dropout is itself in the graph,
         # drawn as inductor draws; a collective names the GPU whose data it holds (shim/ops/functional.py)
@@ -326,6 +340,9 @@ def _dispatch(func, plan: _Plan, args, kwargs):
                else plan.run(*uargs, **ukwargs))
     elif kind == _TO:
         target = args[1] if func is _aten.to.device else kwargs.get("device") if kwargs else None
+        if target is not None and target.type == "cpu" and uargs[0].is_meta:  # estimate mode: no values
+            dtype = ukwargs.get("dtype") or (uargs[2] if func is _aten.to.device else None) or uargs[0].dtype
+            return estimate.placeholder(uargs[0].to(dtype), "a copy to the host (.cpu(), .to('cpu'))")
         out = plan.run(*uargs, **ukwargs)
         if target is not None and target.type == "cpu":
             # leaves the GPU: a plain CPU tensor. aten.to itself arrives here inside another subclass's
@@ -343,6 +360,16 @@ def _dispatch(func, plan: _Plan, args, kwargs):
 
 
 _CPU = torch.device("cpu")
+_META = torch.device("meta")
+
+
+def _without_values(func, uargs: list):
+    """Estimate mode (shim/tensor/estimate.py): an op that reads values on the host, or shapes its output by them."""
+    if func is _aten._local_scalar_dense.default:
+        return estimate.scalar(uargs[0], "Tensor.item()")
+    if func is _aten.copy_.default:  # into a host tensor
+        return uargs[0].copy_(estimate.placeholder(uargs[1], "a copy to the host (Tensor.copy_)"))
+    estimate.refuse(func)
 
 
 def _synchronizes(func, args, kwargs) -> bool:
@@ -516,8 +543,9 @@ def _empty_memory_format(size, dtype=None, layout=None, device=None, pin_memory=
     if not RUNTIME.device.initialized:
         dev.initialize()  # every cuda tensor made from scratch starts in one of these two factories
     gpu = dev.allocation_device()
-    RUNTIME.allocator.check(gpu, math.prod(size) * _itemsize(dtype))  # before the host allocates it
-    elem = torch.empty(size, dtype=dtype, layout=layout, memory_format=memory_format)
+    nbytes = math.prod(size) * _itemsize(dtype)
+    RUNTIME.allocator.check(gpu, nbytes)  # before the host allocates it
+    elem = torch.empty(size, dtype=dtype, layout=layout, memory_format=memory_format, device=_inside(nbytes))
     return MirageTensor(elem, gpu)
 
 
@@ -525,11 +553,18 @@ def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memor
     if not RUNTIME.device.initialized:
         dev.initialize()
     gpu = dev.allocation_device()
+    nbytes = 0
     if all(n > 0 for n in size):
-        extent = 1 + sum((n - 1) * st for n, st in zip(size, stride))
-        RUNTIME.allocator.check(gpu, extent * _itemsize(dtype))
-    elem = torch.empty_strided(size, stride, dtype=dtype, layout=layout)
+        nbytes = (1 + sum((n - 1) * st for n, st in zip(size, stride))) * _itemsize(dtype)
+        RUNTIME.allocator.check(gpu, nbytes)
+    elem = torch.empty_strided(size, stride, dtype=dtype, layout=layout, device=_inside(nbytes))
     return MirageTensor(elem, gpu)
+
+
+def _inside(nbytes: int) -> torch.device:
+    """Where the data inside a new emulated tensor of ``nbytes`` lives: host memory; in estimate mode, nowhere
+    (meta) past the size whose values it keeps (shim/tensor/estimate.py)."""
+    return _META if RUNTIME.settings.estimate and nbytes > estimate.VALUES_MAX_BYTES else _CPU
 
 
 def _itemsize(dtype) -> int:
@@ -545,7 +580,8 @@ def _copy_from(src, dst, non_blocking=False):
 def _efficient_zero_tensor(size, dtype=None, layout=None, device=None, pin_memory=None):
     # autograd's all-zero gradients (sgn's backward, forward-mode formulas): ordinary zeros
     # stand in for the ZeroTensor, which has no kernels for the backend
-    return MirageTensor(torch.zeros(size, dtype=dtype, layout=layout), dev.allocation_device())
+    where = _inside(math.prod(size) * _itemsize(dtype))
+    return MirageTensor(torch.zeros(size, dtype=dtype, layout=layout, device=where), dev.allocation_device())
 
 
 def _on_cuda_key(factory):

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
+from shim.device.storages import storage_key
 from shim.rank.runtime import RUNTIME
 from shim.transport import profiler as prof
 from wire import schema as s
@@ -70,7 +71,7 @@ def complete_through(last: Pending) -> None:
 
 
 def _storages(tensors) -> set[int]:
-    return {t.untyped_storage().data_ptr() for t in tensors if t.numel()}
+    return {storage_key(t) for t in tensors if t.numel()}
 
 
 def after_writers_of(inputs: list[torch.Tensor]) -> None:

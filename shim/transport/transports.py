@@ -18,6 +18,10 @@ carries the transport, which later completes it (``shim/transport/stream.py``).
   memory, rank to rank through the ranks' own rings (``shim/transport/direct.py``); the
   daemon, told afterwards, only keeps the books.
 - :class:`InProcessTransport` — ``--in-process``: one rank, no daemon.
+- ``ShapesTransport`` (``shim/transport/shapes.py``) — estimate mode: tensors without values, the request
+  alone.
+
+Which one carries a collective: ``shim/transport/paths.py``.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from shim.rank.runtime import RUNTIME
 from shim.tensor.wrapper import MirageTensor
 from shim.transport import direct, nccl_debug, stream
 from shim.transport import shared_buffers as sb
-from shim.transport.call_site import call_site
+from shim.rank.call_site import call_site
 from shim.transport.nccl_errors import nccl_error, watchdog_timeout
 from shim.transport.stream import P2PWork, Pending
 from wire import kernels
@@ -446,29 +450,6 @@ def route(store: dist.Store, comm: str, rank: int, size: int, node: str) -> Rout
     if here is not None and all(h == socket.gethostname() for _, h in members):
         return Route("shm" if one_node else "socket", here)
     return Route("shm" if one_node and not over_tcp else "socket", head)
-
-
-class Paths:
-    """A communicator's transports, and the one decision of which carries a collective."""
-
-    def __init__(self, comm: Comm, data_path: str | None):
-        """``data_path``: ``"shm"`` or ``"socket"`` (:func:`data_path`), None in process."""
-        self.comm = comm
-        if data_path is None:
-            self.main: Transport = InProcessTransport(comm)
-        elif data_path == "socket":
-            self.main = SocketTransport(comm)
-        else:
-            self.main = ArenaTransport(comm)
-        ok = data_path == "shm" and comm.client.has_fast and RUNTIME.staging.direct_max_bytes > 0
-        self.direct = DirectTransport(comm) if ok else None
-
-    def path(self, call: Call) -> Transport:
-        """Which transport carries ``call``: rank to rank if it is small enough and may, else the
-        communicator's own (shared memory, with zero-copy decided there, or the socket)."""
-        if self.direct is not None and self.direct.takes(call):
-            return self.direct
-        return self.main
 
 
 @atexit.register

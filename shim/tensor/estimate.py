@@ -1,0 +1,98 @@
+"""Estimate mode (``mirage run --exec-mode estimate``): emulated tensors without their values.
+
+Inside each emulated tensor of more than :data:`VALUES_MAX_BYTES` is a meta tensor:
+shape, dtype, strides and a storage of the right size, no data. Smaller ones keep
+their values, what programs and frameworks compute from and exchange to agree on
+shapes and counts (DDP's check of every rank's parameters, ``all_gather_object``'s
+bytes, step counters); an op over both gives a meta tensor. Ops run through torch's
+meta kernels and are clocked as in clocked mode; the caching allocator counts every storage, so
+``torch.cuda.memory_allocated()`` and the out-of-memory error are those of the GPU;
+collectives are matched, booked and timed without moving bytes
+(``shim.transport.shapes.ShapesTransport``). A model of any size runs on the host.
+
+Where a program needs a value the rule is fixed (docs/clocked.md, "Estimate mode"):
+
+- a value read on the host (``.item()``, ``.tolist()``, ``.cpu()``, printing's data)
+  is a placeholder, zeros, with one notice per call site on stderr;
+- an op whose output's *shape* depends on the values (``nonzero``, boolean-mask
+  indexing, ``unique``) cannot be shaped: a one-line error naming the op and the site.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from shim.rank.runtime import RUNTIME
+from shim.rank.call_site import call_site
+
+#: the largest emulated tensor that keeps its values in estimate mode
+VALUES_MAX_BYTES = 1 << 20
+
+
+def mixed(args) -> bool:
+    """Whether ``args`` (an op's unwrapped arguments) hold tensors with values beside ones without: the op
+    must then run over meta tensors only (a CPU kernel handed a meta tensor would read no memory)."""
+    meta = real = False
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if a.is_meta:
+                meta = True
+            else:
+                real = True
+        elif isinstance(a, (list, tuple)) and a and not isinstance(a, torch.Size):
+            for t in a:
+                if isinstance(t, torch.Tensor):
+                    meta, real = meta or t.is_meta, real or not t.is_meta
+        if meta and real:
+            return True
+    return False
+
+
+def run_on_meta(run, func, uargs: list, ukwargs: dict):
+    """``run`` (``func``'s kernel) over meta tensors only. A tensor with values that the op writes from ones
+    without gets zeros: its values are unknown (DDP's first broadcast of the parameters writes the small
+    ones from a bucket without values)."""
+    out = run(*on_meta(uargs), **dict(zip(ukwargs, on_meta(ukwargs.values()))))
+    first = func._schema.arguments[0].alias_info if func._schema.arguments else None
+    if first is not None and first.is_write and isinstance(uargs[0], torch.Tensor) and not uargs[0].is_meta:
+        return uargs[0].zero_()
+    return out
+
+
+def on_meta(args) -> list:
+    """``args`` with every tensor that has values as a meta tensor (in lists and tuples too)."""
+    return [a.to("meta") if isinstance(a, torch.Tensor) and not a.is_meta
+            else type(a)(on_meta(a)) if isinstance(a, (list, tuple)) and not isinstance(a, torch.Size)
+            else a
+            for a in args]
+
+
+def placeholder(t: torch.Tensor, what: str) -> torch.Tensor:
+    """Host zeros standing for the values of ``t`` (a meta tensor) that ``what`` reads."""
+    _notice(what)
+    return torch.zeros(t.shape, dtype=t.dtype)
+
+
+def scalar(t: torch.Tensor, what: str):
+    """The number standing for ``t.item()``: zero of its type."""
+    _notice(what)
+    return torch.zeros((), dtype=t.dtype).item()
+
+
+def refuse(func) -> None:
+    """An op whose output's shape depends on the values: there is no shape to give it."""
+    name = str(func).removesuffix(".default")
+    raise RuntimeError(
+        f"mirage: {name} at {call_site()} needs the values of its input to shape its output, and "
+        "--exec-mode estimate keeps none; run the program with --exec-mode clocked, or keep this step "
+        "off the estimated path"
+    )
+
+
+def _notice(what: str) -> None:
+    site = call_site()
+    if RUNTIME.once.first(f"estimate-value:{site}"):
+        print(f"mirage: {what} at {site} reads a value, which --exec-mode estimate does not keep: it reads "
+              "zeros (this notice is printed once per call site)", file=sys.stderr, flush=True)
