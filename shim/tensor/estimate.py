@@ -50,15 +50,27 @@ def mixed(args) -> bool:
     return False
 
 
-def run_on_meta(run, func, uargs: list, ukwargs: dict):
-    """``run`` (``func``'s kernel) over meta tensors only. A tensor with values that the op writes from ones
-    without gets zeros: its values are unknown (DDP's first broadcast of the parameters writes the small
-    ones from a bucket without values)."""
-    out = run(*on_meta(uargs), **dict(zip(ukwargs, on_meta(ukwargs.values()))))
-    first = func._schema.arguments[0].alias_info if func._schema.arguments else None
-    if first is not None and first.is_write and isinstance(uargs[0], torch.Tensor) and not uargs[0].is_meta:
-        return uargs[0].zero_()
-    return out
+def run_on_meta(run, uargs: list, ukwargs: dict):
+    """``run`` (an op's kernel) over meta tensors only."""
+    return run(*on_meta(uargs), **dict(zip(ukwargs, on_meta(ukwargs.values()))))
+
+
+def written(func, args: tuple, kwargs: dict | None) -> list:
+    """The arguments ``func`` writes: its first (in-place ops), its ``out=``."""
+    schema = func._schema.arguments
+    hit = []
+    if schema and args and schema[0].alias_info is not None and schema[0].alias_info.is_write:
+        hit.extend(args[0] if isinstance(args[0], (list, tuple)) else [args[0]])  # the foreach ops: a list
+    out = kwargs.get("out") if kwargs else None
+    if out is not None:
+        hit.extend(out if isinstance(out, (list, tuple)) else [out])
+    return hit
+
+
+def without_values(t: torch.Tensor) -> torch.Tensor:
+    """A meta tensor of ``t``'s geometry over a meta storage of its storage's size."""
+    storage = torch.UntypedStorage(t.untyped_storage().nbytes(), device="meta")
+    return torch.empty(0, dtype=t.dtype, device="meta").set_(storage, t.storage_offset(), t.size(), t.stride())
 
 
 def on_meta(args) -> list:
