@@ -29,10 +29,10 @@ _aten = torch.ops.aten
 _MAX_FLASH_HEAD_DIM = 256
 
 
-def _fused_ok(q, k, v, attn_mask, dropout_p, enable_gqa) -> bool:
+def _fused_ok(q, k, v, attn_mask, dropout_p) -> bool:
     # dropout needs the GPU's philox stream, which the CPU kernels cannot reproduce: math path then
     return (
-        q.device.type == "cuda" and dropout_p == 0.0 and not enable_gqa and q.dim() == 4
+        q.device.type == "cuda" and dropout_p == 0.0 and q.dim() == 4
         and q.dtype == k.dtype == v.dtype and not q.is_nested
         and (attn_mask is None or isinstance(attn_mask, torch.Tensor) and attn_mask.dtype != torch.bool)
     )
@@ -40,7 +40,7 @@ def _fused_ok(q, k, v, attn_mask, dropout_p, enable_gqa) -> bool:
 
 def route(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """The fused op SDPA would call on a GPU, or None to let torch take its math path."""
-    if not _fused_ok(q, k, v, attn_mask, dropout_p, enable_gqa):
+    if not _fused_ok(q, k, v, attn_mask, dropout_p):
         return None
     if torch.is_autocast_enabled("cuda"):
         # SDPA is a lower-precision op under autocast, cast before a GPU picks its kernel: choose on
@@ -53,6 +53,8 @@ def route(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, e
     if (backends.flash_sdp_enabled() and attn_mask is None and q.dtype in (torch.float16, torch.bfloat16)
             and flash_dims):
         return _aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+    if enable_gqa and q.size(1) != k.size(1):
+        return None  # grouped-query heads: flash takes them, ROCm's memory-efficient kernel does not (sdp_utils.cpp)
     if backends.mem_efficient_sdp_enabled() and q.dtype in (torch.float16, torch.bfloat16, torch.float32):
         # as SDPA does on a GPU: the backward needs the logsumexp, so compute it whenever there will be one
         lse = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)

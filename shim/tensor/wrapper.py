@@ -343,6 +343,11 @@ def _dispatch(func, plan: _Plan, args, kwargs):
         if target is not None and target.type == "cpu" and uargs[0].is_meta:  # estimate mode: no values
             dtype = ukwargs.get("dtype") or (uargs[2] if func is _aten.to.device else None) or uargs[0].dtype
             return estimate.placeholder(uargs[0].to(dtype), "a copy to the host (.cpu(), .to('cpu'))")
+        if uargs[0].is_meta and target is not None:  # estimate mode: stays on the GPU, without values
+            if func is _aten.to.device:
+                uargs[1] = _META
+            else:
+                ukwargs["device"] = _META
         out = plan.run(*uargs, **ukwargs)
         if target is not None and target.type == "cpu":
             # leaves the GPU: a plain CPU tensor. aten.to itself arrives here inside another subclass's
