@@ -104,7 +104,12 @@ def refuse(func) -> None:
 
 
 def _notice(what: str) -> None:
+    notice(what, "reads a value, which --exec-mode estimate does not keep: it reads zeros")
+
+
+def notice(what: str, happens: str) -> None:
+    """Say on stderr, once per call site in the program, what estimate mode does instead of a GPU."""
     site = call_site()
-    if RUNTIME.once.first(f"estimate-value:{site}"):
-        print(f"mirage: {what} at {site} reads a value, which --exec-mode estimate does not keep: it reads "
-              "zeros (this notice is printed once per call site)", file=sys.stderr, flush=True)
+    if RUNTIME.once.first(f"estimate:{what}:{site}"):
+        print(f"mirage: {what} at {site} {happens} (this notice is printed once per call site)", file=sys.stderr,
+              flush=True)

@@ -26,6 +26,7 @@ import torch.serialization
 
 from shim.device import state as dev
 from shim.rank.runtime import RUNTIME
+from shim.tensor import estimate
 from shim.tensor.wrapper import MirageTensor
 
 _CUDA = re.compile(r"cuda(?::(\d+))?")
@@ -81,6 +82,9 @@ def reduce_tensor(t: MirageTensor, proto):
         alias = t._elem.detach().clone()
     else:
         alias = t._elem.detach()  # the same storage, a leaf: written to the file as it is
+        if alias.is_meta:
+            estimate.notice("torch.save", "writes the shapes of tensors without values, which torch.load reads "
+                            "back as meta tensors")
         storage = alias.untyped_storage()
         _SAVING[storage._cdata] = (storage, t._gpu)
     if isinstance(t, torch.nn.Parameter):
