@@ -113,3 +113,46 @@ def notice(what: str, happens: str) -> None:
     if RUNTIME.once.first(f"estimate:{what}:{site}"):
         print(f"mirage: {what} at {site} {happens} (this notice is printed once per call site)", file=sys.stderr,
               flush=True)
+
+
+_aten = torch.ops.aten
+
+
+def run_without_values(run, func, args: tuple, kwargs: dict | None, uargs: list, ukwargs: dict):
+    """An op over tensors with values and tensors without, run over meta tensors only. What it writes holds no
+    values either from then on: an emulated tensor's data becomes a meta tensor (and its base's, for a view:
+    the values of the whole storage are unknown); a host tensor gets zeros, said once."""
+    out = run_on_meta(run, uargs, ukwargs)
+    written_to = written(func, args, kwargs)
+    for target in written_to:
+        if _emulated(target):
+            if not target._elem.is_meta:
+                lose_values(target)
+        elif isinstance(target, torch.Tensor) and not target.is_meta:
+            target.copy_(placeholder(target, f"{func} writing a host tensor"))
+    if isinstance(out, torch.Tensor) and len(written_to) == 1:  # it returns what it wrote: that, not the meta copy
+        return written_to[0]._elem if _emulated(written_to[0]) else written_to[0]
+    return out
+
+
+def lose_values(w) -> None:
+    """The emulated tensor ``w`` (and the storage it views) holds no values from now on."""
+    base = w if w._src is None else w._src
+    base._elem = without_values(base._elem)
+    RUNTIME.allocator.moved(base)  # counted anew under its meta storage
+    if base is not w:
+        w._elem = base._elem.as_strided(w.size(), w.stride(), w.storage_offset())
+
+
+def host_read(func, uargs: list):
+    """An op that reads values on the host, or shapes its output by them, of a tensor without values."""
+    if func is _aten._local_scalar_dense.default:
+        return scalar(uargs[0], "Tensor.item()")
+    if func is _aten.copy_.default:  # into a host tensor
+        return uargs[0].copy_(placeholder(uargs[1], "a copy to the host (Tensor.copy_)"))
+    refuse(func)
+
+
+def _emulated(t) -> bool:
+    """Whether ``t`` is an emulated tensor (shim/tensor/wrapper.py's, which holds its data as ``_elem``)."""
+    return isinstance(t, torch.Tensor) and getattr(t, "_elem", None) is not None

@@ -15,7 +15,6 @@ path of every op, read together; the parts that stand alone live beside it
 from __future__ import annotations
 
 import hashlib
-
 import math
 import threading
 
@@ -284,7 +283,7 @@ def _fast(plan: _Plan, args: tuple):
     override = dev.allocation_override()
     gpu = first._gpu if override is None else override
     if RUNTIME.settings.estimate and estimate.mixed(uargs):
-        out = _run_without_values(plan.run, plan.func, args, None, uargs, {})
+        out = estimate.run_without_values(plan.run, plan.func, args, None, uargs, {})
     else:
         out = plan.run(*uargs)
     if type(out) is not torch.Tensor:
@@ -326,11 +325,11 @@ def _dispatch(func, plan: _Plan, args, kwargs):
     out_gpu = override if override is not None else gpu if gpu is not None else RUNTIME.device.current
     if inputs and inputs[0]._elem.is_meta and (
             func in _SYNCING or (func is _aten.copy_.default and not uargs[0].is_meta)):
-        return _without_values(func, uargs)  # estimate mode: values read on the host, or shapes they decide
+        return estimate.host_read(func, uargs)  # estimate mode: values read on the host, or shapes they decide
     kind = plan.kind
     if kind == _PLAIN or kind == _KERNEL:
         if RUNTIME.settings.estimate and estimate.mixed((*uargs, *ukwargs.values())):
-            out = _run_without_values(plan.run, func, args, kwargs, uargs, ukwargs)
+            out = estimate.run_without_values(plan.run, func, args, kwargs, uargs, ukwargs)
         else:
             out = plan.run(*uargs, **ukwargs)
     elif kind != _TO and _tracing(inputs):
@@ -366,41 +365,6 @@ def _dispatch(func, plan: _Plan, args, kwargs):
 
 _CPU = torch.device("cpu")
 _META = torch.device("meta")
-
-
-def _run_without_values(run, func, args: tuple, kwargs: dict | None, uargs: list, ukwargs: dict):
-    """Estimate mode: an op over tensors with values and tensors without, run over meta tensors only. What it
-    writes holds no values either from then on: an emulated tensor's data becomes a meta tensor (and its
-    base's, for a view: the values of the whole storage are unknown); a host tensor gets zeros, said once."""
-    out = estimate.run_on_meta(run, uargs, ukwargs)
-    written = estimate.written(func, args, kwargs)
-    for target in written:
-        if isinstance(target, MirageTensor):
-            if not target._elem.is_meta:
-                _lose_values(target)
-        elif isinstance(target, torch.Tensor) and not target.is_meta:
-            target.copy_(estimate.placeholder(target, f"{func} writing a host tensor"))
-    if isinstance(out, torch.Tensor) and len(written) == 1:  # it returns what it wrote: that, not the meta copy
-        return written[0]._elem if isinstance(written[0], MirageTensor) else written[0]
-    return out
-
-
-def _lose_values(w: MirageTensor) -> None:
-    """The emulated tensor ``w`` (and the storage it views) holds no values from now on."""
-    base = w if w._src is None else w._src
-    base._elem = estimate.without_values(base._elem)
-    RUNTIME.allocator.moved(base)  # counted anew under its meta storage
-    if base is not w:
-        w._elem = base._elem.as_strided(w.size(), w.stride(), w.storage_offset())
-
-
-def _without_values(func, uargs: list):
-    """Estimate mode (shim/tensor/estimate.py): an op that reads values on the host, or shapes its output by them."""
-    if func is _aten._local_scalar_dense.default:
-        return estimate.scalar(uargs[0], "Tensor.item()")
-    if func is _aten.copy_.default:  # into a host tensor
-        return uargs[0].copy_(estimate.placeholder(uargs[1], "a copy to the host (Tensor.copy_)"))
-    estimate.refuse(func)
 
 
 def _synchronizes(func, args, kwargs) -> bool:
