@@ -99,7 +99,9 @@ def library_path(source: Path = SOURCE) -> Path:
     # the flags, not where the source lies: checkouts at other paths share one cached library
     # (with the path in the key, each build deleted the other checkout's as stale)
     key.update(" ".join(_command("", torch_dir, Path(), Path(source.name))).encode())
-    version = importlib.metadata.version("torch")
+    # the loaded torch's own (a rank's, at its start); importlib.metadata parses the wheel's METADATA (~3 ms)
+    torch = sys.modules.get("torch")
+    version = torch.__version__ if torch is not None else importlib.metadata.version("torch")
     return _cache_dir() / f"{source.stem}-torch{version}-{key.hexdigest()[:12]}.so"
 
 
