@@ -54,6 +54,20 @@ def test_estimate_gives_clocked_modes_memory_and_step_time(tmp_path):
                                "keep: it reads zeros (this notice is printed once per call site)"), notices
 
 
+def test_estimate_times_tensor_parallel_collectives_as_clocked_mode(tmp_path):
+    """DTensor's functional collectives (torch's Meta kernels of them move and post nothing) are posted,
+    matched and timed as in clocked mode."""
+    runs = [mirage_run(tmp_path / mode, "--gpus-per-node", "2", "--exec-mode", mode, "--", "torchrun",
+                       "--nproc-per-node", "2", str(FIXTURES / "estimate_tp.py")) for mode in ("clocked", "estimate")]
+    for r in runs:
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        assert "[0] estimate_tp_ok" in r.stdout
+    clocked, estimate = runs
+    assert _memory(estimate.stdout) == _memory(clocked.stdout) and _memory(clocked.stdout)
+    assert _predicted(estimate.stderr) == _predicted(clocked.stderr)
+    assert "communication 0 s" not in _predicted(estimate.stderr)
+
+
 def test_estimate_runs_a_model_the_host_could_not_hold(tmp_path):
     """Two ranks of 16 GiB of parameters each, with AdamW: 96 GiB a GPU at its peak, on a 24 GiB box."""
     r = _run(tmp_path, "estimate", "WIDTH=32768")

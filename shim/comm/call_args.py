@@ -57,7 +57,7 @@ def flat(t: torch.Tensor) -> torch.Tensor:
     """The CPU data of a collective's tensor, refused as ProcessGroupNCCL refuses it."""
     if isinstance(t, MirageTensor):
         t = t._elem
-    elif host_gpu() is None or t.device.type != "cpu":
+    elif host_gpu() is None or t.device.type not in ("cpu", "meta"):  # meta: estimate mode's, without values
         raise ValueError(f"Tensors must be CUDA and dense; got a tensor on {t.device}")
     if not t.is_contiguous():
         raise ValueError("Tensors must be contiguous")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 _host = threading.local()
 
@@ -19,9 +20,63 @@ def functional_collective(func, args, kwargs, gpu: int):
     """Run functional collective ``func`` on the CPU data (``args``) of GPU ``gpu``'s tensors."""
     _host.gpu = gpu
     try:
+        if any(isinstance(a, torch.Tensor) and a.is_meta for a in tree_leaves((args, kwargs))):
+            return _without_values(func, args, kwargs)
         return func(*args, **kwargs)
     finally:
         _host.gpu = None
+
+
+def _without_values(func, args: tuple, kwargs: dict):
+    """A functional collective of estimate mode's tensors without values (meta tensors inside).
+
+    torch's Meta kernels of these ops and of the c10d ops under them only shape the outputs: no
+    collective would be posted, matched, checked or timed. So each is posted here to the group's
+    process group itself (``shim.transport.shapes``: the request alone), waited for, and its output
+    made with its shape.
+    """
+    import torch.distributed as dist
+
+    name = func._schema.name.split("::", 1)[1]
+    if name in ("wait_tensor", "_wrap_tensor_autograd"):
+        return args[0]  # posted and waited for already
+    pg = dist.distributed_c10d._resolve_process_group(args[-1])._get_backend(torch.device("cuda"))
+    if name.endswith("_out"):
+        out = kwargs["out"]
+        return out.copy_(_without_values(getattr(torch.ops._c10d_functional, name[:-4]).default, args, {}))
+    if name.endswith("_coalesced") or name.endswith("_coalesced_"):
+        single = getattr(torch.ops._c10d_functional, name.replace("_coalesced", "")).default
+        return [_without_values(single, (t, *args[1:]), {}) for t in args[0]]
+    t = args[0]
+    if name in ("all_reduce", "all_reduce_"):
+        out = t if name.endswith("_") else t.clone()
+        pg.allreduce([out], _options(dist.AllreduceOptions(), args[1])).wait()
+    elif name in ("broadcast", "broadcast_"):
+        out = t if name.endswith("_") else t.clone()
+        opts = dist.BroadcastOptions()
+        opts.rootRank = args[1]
+        pg.broadcast([out], opts).wait()
+    elif name == "all_gather_into_tensor":
+        out = t.new_empty((t.shape[0] * args[1], *t.shape[1:]))
+        pg._allgather_base(out, t).wait()
+    elif name == "reduce_scatter_tensor":
+        out = t.new_empty((t.shape[0] // args[2], *t.shape[1:]))
+        pg._reduce_scatter_base(out, t, _options(dist.ReduceScatterOptions(), args[1])).wait()
+    elif name == "all_to_all_single":
+        rows = sum(args[1]) if args[1] else t.shape[0]
+        out = t.new_empty((rows, *t.shape[1:]))
+        pg.alltoall_base(out, t, list(args[1]), list(args[2])).wait()
+    else:
+        raise RuntimeError(f"mirage: {func} of tensors without values is not supported by --exec-mode estimate")
+    return out
+
+
+def _options(opts, reduce_op: str):
+    """c10d options naming the reduction a functional collective names as a string ("sum", "avg", ...)."""
+    import torch.distributed as dist
+
+    opts.reduceOp = getattr(dist.ReduceOp, reduce_op.upper())
+    return opts
 
 
 def host_gpu() -> int | None:
