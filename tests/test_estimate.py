@@ -31,8 +31,9 @@ def _memory(stdout: str) -> list[str]:
 
 
 def _predicted(stderr: str) -> str:
+    """The prediction, without the mode it names (``mirage: clocked (mi350x): ...``, ``mirage: estimate ...``)."""
     (line,) = [line for line in stderr.splitlines() if "predicted step" in line]
-    return line
+    return line.split("): ", 1)[1]
 
 
 def test_estimate_gives_clocked_modes_memory_and_step_time(tmp_path):
@@ -43,6 +44,7 @@ def test_estimate_gives_clocked_modes_memory_and_step_time(tmp_path):
         assert "[0] estimate_ddp_ok" in r.stdout and "[1] estimate_ddp_ok" in r.stdout
     assert _memory(estimate.stdout) == _memory(clocked.stdout) and len(_memory(clocked.stdout)) == 3
     assert _predicted(estimate.stderr) == _predicted(clocked.stderr)
+    assert "mirage: estimate (mi350x): predicted step" in estimate.stderr
     # the first loss comes from tensors that keep their values (all of them up to 1 MiB); after the
     # first all-reduce of the gradients' bucket (4 MiB, no values) the losses are unknown: zeros, said once
     losses = [line for line in estimate.stdout.splitlines() if line.startswith("[0] step ")]

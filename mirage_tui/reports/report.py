@@ -17,8 +17,8 @@ from wire.schema import HangKind
 
 
 def clocked_line(state: RunState, profile: str = "") -> str:
-    """A clocked run's prediction in one line (batch mode prints it after ``mirage: ``)."""
-    head = f"clocked ({state.profile or profile})"
+    """A clocked (or estimate) run's prediction in one line (batch mode prints it after ``mirage: ``)."""
+    head = f"{'estimate' if state.exec_mode == 'estimate' else 'clocked'} ({state.profile or profile})"
     p = state.prediction()
     if p is None:
         return f"{head}: no rank reported an optimizer step, so there is no step time to predict"

@@ -201,7 +201,7 @@ class RunState:
     ended: s.SessionEnded | None = None
     last_t: float = 0.0
     events: int = 0
-    exec_mode: str = "functional"  # as the daemon announced it: "functional" or "clocked"
+    exec_mode: str = "functional"  # as the daemon announced it: "functional", "clocked" or "estimate"
     profile: str = ""  # as the daemon announced it
     clocked_steps: dict[int, list[s.ClockedStep]] = field(default_factory=dict)  # rank -> steps, in order
     clocked_colls: dict[str, deque[ClockedColl]] = field(default_factory=dict)  # comm -> the latest

@@ -34,7 +34,7 @@ def _figures(r: subprocess.CompletedProcess[str]) -> tuple[list[str], str]:
     assert "[0] llama_fsdp2_ok" in r.stdout
     lines = [line for line in r.stdout.splitlines() if line.startswith(("[0] parameters", "[0] memory"))]
     (predicted,) = [line for line in r.stderr.splitlines() if "predicted step" in line]
-    return lines, predicted
+    return lines, predicted.split("): ", 1)[1]  # without the mode it names
 
 
 def test_estimate_gives_clocked_modes_figures_for_a_transformers_llama(tmp_path):
