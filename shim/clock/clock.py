@@ -313,9 +313,15 @@ class Clock:
     # ------------------------------------------------------------ steps
 
     def end_step(self) -> None:
-        """``optimizer.step()`` returned: the step ends when the GPU has done its work; report it."""
+        """``optimizer.step()`` returned: the step ends when the GPU has done its work; report it.
+
+        A step in which nothing ran and no time passed is no step: an optimizer that steps others inside its own
+        ``step()`` (torchtitan's ``OptimizersContainer``, a ``torch.optim.Optimizer`` itself) returns right after
+        the inner one ended the step, and would end a second, empty one, halving the predicted step."""
         with self.lock:
             end = max(self.device_time(), self.host)
+            if self.ops == 0 and not self.compute and not self.comm and end <= self.step_start:
+                return
             compute, comm = _union(self.compute), _union(self.comm)
             self.step += 1
             report = dict(step=self.step, t_start=self.step_start, t_end=end, compute_s=_length(compute),

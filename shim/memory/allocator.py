@@ -200,13 +200,16 @@ class Allocator:
 
     def _hold(self, t: torch.Tensor, gpu: int) -> int:
         ptr = t.data_ptr()
-        if ptr:
-            offset = t.storage_offset()
-            key = ptr - offset * t.element_size() if offset else ptr
-        elif t.is_meta and t.untyped_storage().nbytes():
-            key = storage_key(t)  # estimate mode: a meta storage has no address
-        else:
-            return 0  # empty tensors own no memory
+        offset = t.storage_offset() if ptr else 0
+        key = ptr - offset * t.element_size() if offset else ptr
+        if not key:
+            # estimate mode: a meta storage has no address. (A meta view at an offset has a data_ptr(), the
+            # offset's bytes past address 0, which would give every such view key 0: one entry, of the size
+            # of the first storage seen there, that FSDP2's all-gather inputs on ranks other than 0 kept alive.)
+            if t.is_meta and t.untyped_storage().nbytes():
+                key = storage_key(t)
+            else:
+                return 0  # empty tensors own no memory
         with self._lock:
             if self._freed:
                 self._drain()  # first: a storage freed at this address must not be mistaken for this one

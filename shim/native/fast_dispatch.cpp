@@ -176,9 +176,21 @@ bool view_in_cpp(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   at::Tensor wrapper = wrapper_of(out);
   Ref obj(THPVariable_Wrap(wrapper, g_wrapper_type));
   Ref out_obj(THPVariable_Wrap(std::move(out)));
+  PyObject* base = src.p == Py_None ? self : src.p;
   if (obj.p == nullptr || out_obj.p == nullptr || PyObject_SetAttr(obj.p, g_elem, out_obj.p) != 0 ||
-      PyObject_SetAttr(obj.p, g_gpu, gpu.p) != 0 ||
-      PyObject_SetAttr(obj.p, g_src, src.p == Py_None ? self : src.p) != 0) {
+      PyObject_SetAttr(obj.p, g_gpu, gpu.p) != 0) {
+    PyErr_Clear();
+    return false;
+  }
+  if (THPVariable_Unpack(base).requires_grad()) {
+    // as _new: a view of a tensor in an autograd graph takes a hold of its own (a _src link could close a
+    // cycle through C++ that Python's collector never sees: see shim/tensor/wrapper.py)
+    Ref mem(PyObject_CallFunctionObjArgs(g_hold, out_obj.p, gpu.p, nullptr));
+    if (mem.p == nullptr || PyObject_SetAttr(obj.p, g_mem, mem.p) != 0) {
+      PyErr_Clear();
+      return false;
+    }
+  } else if (PyObject_SetAttr(obj.p, g_src, base) != 0) {
     PyErr_Clear();
     return false;
   }
