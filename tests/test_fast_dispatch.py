@@ -220,3 +220,57 @@ def test_an_op_past_the_gpus_memory_raises_torchs_error_from_the_cpp_path(tmp_pa
     assert r.returncode == 1
     assert ("[0] torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 40.00 MiB. GPU 0 has a total "
             "capacity of 64.00 MiB of which 24.00 MiB is free.") in r.stderr, r.stderr[-2000:]
+
+
+_CLOCKED = r"""
+import hashlib, json, torch
+from shim.clock import clock as C
+from shim.rank.runtime import RUNTIME
+from shim.tensor import fast_dispatch
+
+print("fast dispatch:", fast_dispatch.FAST_DISPATCH_ERROR)
+charge = C.Clock.charge  # __torch_dispatch__'s pricing (the C++ kernels hold Clock.charge_priced)
+counts = {"python": 0}
+def counted(self, *a):
+    counts["python"] += 1
+    return charge(self, *a)
+C.Clock.charge = counted
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.LayerNorm(128), torch.nn.GELU(),
+                            torch.nn.Linear(128, 10)).cuda()
+opt = torch.optim.Adam(model.parameters())
+x, y = torch.randn(16, 64, device="cuda"), torch.randint(0, 10, (16,), device="cuda")
+for step in range(3):
+    opt.zero_grad()
+    loss = torch.nn.functional.cross_entropy(torch.softmax(model(x) * 2.0, -1).log() + x[:, :10].abs().sqrt(), y)
+    loss.backward()
+    opt.step()
+torch.cuda.synchronize()
+clk = RUNTIME.clock
+kernels = [(e[1], e[2], e[3], e[4], e[5], json.dumps(e[6], sort_keys=True)) for e in clk.events if e[0] == "compute"]
+print("kernels", len(kernels), hashlib.sha256(repr(kernels).encode()).hexdigest())
+print("steps", [(s, round(a * 1e9), round(b * 1e9)) for s, a, b in clk.steps])
+print("loss", round(loss.item(), 5), "priced in Python", counts["python"], "of", len(kernels))
+"""
+
+
+def _clocked(tmp_path, compiler: str) -> list[str]:
+    env = [] if compiler == "c++" else ["--env", f"MIRAGE_CACHE_DIR={tmp_path / 'cache'}",
+                                        "--env", "CXX=/nonexistent/c++"]
+    r = mirage_run(tmp_path, "--exec-mode", "clocked", *env, "--", "python", "-c", _CLOCKED)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return [line for line in r.stdout.splitlines() if line.startswith("[0] ")]
+
+
+def test_clocked_mode_times_the_ops_in_cpp_as_python_does(tmp_path):
+    """Clocked mode's plain ops, priced from the C++ table of costs, give the trace and the steps that
+    pricing every op in Python gives, kernel for kernel."""
+    cpp = _clocked(tmp_path / "cpp", "c++")
+    python = _clocked(tmp_path / "python", "none")
+    assert cpp[0] == "[0] fast dispatch: None"
+    assert python[0].startswith("[0] fast dispatch: no C++ compiler")
+    assert cpp[1:-1] == python[1:-1]
+    loss, in_python, kernels = cpp[-1].split(" priced in Python ")[0], *map(int, cpp[-1].split()[-3::2])
+    all_in_python = int(python[-1].split()[-3])
+    assert python[-1] == f"{loss} priced in Python {all_in_python} of {kernels}"
+    assert kernels > 50 and in_python < all_in_python / 2, (cpp[-1], python[-1])  # most ops in C++ here

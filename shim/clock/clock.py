@@ -175,19 +175,29 @@ class Clock:
         if isinstance(out, torch.Tensor) and not hasattr(out, "_gpu") and out.device.type == "cpu":
             self._copy(func, gpu, out.numel() * out.element_size(), deps, to_host=True)
             return
-        cost = op_cost(func, args, kwargs, out, self.profile)
-        if not cost.seconds:
+        self._advance(gpu, func, op_cost(func, args, kwargs, out, self.profile), deps)
+
+    def charge_priced(self, gpu: int, func, cost: OpCost, inputs: tuple) -> None:
+        """As :meth:`charge`, for an op on ``gpu`` already priced (the C++ fast dispatch's table of costs,
+        shim/native/fast_dispatch.cpp): ``inputs`` are its emulated arguments, which a collective may
+        still be writing."""
+        self._advance(gpu, func, cost, self._written_at(inputs))
+
+    def _advance(self, gpu: int, func, cost: OpCost, deps: float) -> None:
+        """Run the kernel ``func`` priced ``cost`` on the current stream of ``gpu``, from ``deps`` at the earliest."""
+        seconds = cost.seconds
+        if not seconds:
             return
+        stream = self.stream_of(gpu)
         with self.lock:
-            key = (gpu, self.stream_of(gpu))
+            key = (gpu, stream)
             start = max(self.streams.get(key, 0.0), self.host, deps)
-            end = self.streams[key] = start + cost.seconds
+            end = self.streams[key] = start + seconds
             self.compute.append((start, end))
             self.ops += 1
             if not cost.has_formula:
                 self.bytes_only_ops += 1
-            self._record(("compute", self._name(func), gpu, key[1], start, end,
-                          {"flops": cost.flops, "bytes": cost.bytes, "bound": cost.bound}, self._issued(start)))
+            self._record(("compute", self._name(func), gpu, stream, start, end, cost.trace_args, self._issued(start)))
 
     def fused(self, gpu: int, kernels: list) -> None:
         """A compiled graph's kernels, one after another on the current stream of ``gpu``.
@@ -217,8 +227,7 @@ class Clock:
         self.ops += 1
         if not cost.has_formula:
             self.bytes_only_ops += 1
-        self._record(("compute", name, key[0], key[1], start, end,
-                      {"flops": cost.flops, "bytes": cost.bytes, "bound": cost.bound}, self._issued(start)))
+        self._record(("compute", name, key[0], key[1], start, end, cost.trace_args, self._issued(start)))
         return end
 
     def _written_at(self, tensors) -> float:

@@ -17,6 +17,7 @@ shim's emulated tensors alike and computes nothing heavy. Clocked mode calls it 
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -84,6 +85,11 @@ class OpCost:
     bytes: int
     bound: str
     has_formula: bool
+
+    @functools.cached_property
+    def trace_args(self) -> dict:
+        """The trace event's ``args`` of a kernel of this cost (shared by every such kernel: read only)."""
+        return {"flops": self.flops, "bytes": self.bytes, "bound": self.bound}
 
 
 def peak_and_efficiency(profile: Profile, dtype: torch.dtype) -> tuple[float, float]:

@@ -18,12 +18,20 @@
 // raises the same errors, as without this library. It also offers _new the
 // same wrapper for the outputs of the ops it leaves to Python (new_wrapper).
 //
+// In clocked mode the plain ops are timed here as well: their cost is found by the op's signature
+// (dtypes, sizes, strides, arguments) in a table that the Python roofline fills on a miss, and
+// the rank's clock advanced by it (Clock.charge_priced), instead of __torch_dispatch__ and
+// Clock.charge pricing every op afresh in Python.
+//
 // shim/tensor/fast_dispatch.py builds it (shim/native/build.py: it needs Python's and
 // libtorch_python's headers) and registers it once shim/tensor/wrapper.py exists.
 
 #include <Python.h>
 
+#include <cstring>
 #include <memory>
+#include <string>
+#include <unordered_map>
 #include <vector>
 
 #include <ATen/EmptyTensor.h>
@@ -104,6 +112,196 @@ struct Ref {
     Py_XDECREF(p);
   }
 };
+
+// Clocked mode (None in functional mode): the plain ops are timed here too, from a cache of their
+// costs. g_cost(func, args, kwargs, out) -> OpCost prices an op the cache has not seen (shim/clock/roofline.py's
+// op_cost); g_charge(gpu, func, cost, inputs) advances the rank's clock by it (Clock.charge_priced).
+PyObject* g_cost = nullptr;
+PyObject* g_charge = nullptr;
+std::unordered_map<const c10::FunctionSchema*, PyObject*> g_funcs;  // the plain ops' OpOverload objects
+
+// What an op's cost depends on: the op, every tensor's dtype, sizes and strides (inputs and outputs),
+// every other argument's value. Compared whole, so two signatures never share a cost.
+using Signature = std::vector<int64_t>;
+struct SignatureHash {
+  size_t operator()(const Signature& key) const {
+    size_t h = key.size();
+    for (int64_t v : key) {
+      h ^= std::hash<int64_t>{}(v) + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+    }
+    return h;
+  }
+};
+std::unordered_map<Signature, PyObject*, SignatureHash> g_costs;  // signature -> OpCost (a strong reference)
+constexpr size_t kMaxCosts = 1 << 16;  // a program whose shapes never repeat starts the table afresh past this
+
+enum Tag : int64_t { kTensor = 1, kUndefined, kNone, kInt, kDouble, kBool, kString, kIntList, kOther };
+
+void add_tensor(Signature& key, const at::Tensor& t) {
+  if (!t.defined()) {
+    key.push_back(kUndefined);
+    return;
+  }
+  key.push_back(kTensor);
+  key.push_back(static_cast<int64_t>(t.scalar_type()));
+  key.push_back(t.is_cpu() ? 1 : 0);  // a 0-dim CPU scalar beside the GPU's tensors
+  key.push_back(t.dim());
+  for (auto size : t.sizes()) {
+    key.push_back(size);
+  }
+  for (auto stride : t.strides()) {
+    key.push_back(stride);
+  }
+}
+
+// False for an argument the signature cannot hold (the op is then timed by the Python path).
+bool add_value(Signature& key, const c10::IValue& v) {
+  if (v.isTensor() && v.toTensor().defined() && v.toTensor().unsafeGetTensorImpl()->is_wrapped_number()) {
+    // a Python number the op was given (x * 2.0): the fallback hands it back as one, which reads no bytes
+    const c10::Scalar number = v.toTensor().item();
+    if (number.isComplex()) {
+      return false;
+    }
+    key.push_back(kDouble);
+    const double d = number.toDouble();
+    int64_t bits = 0;
+    std::memcpy(&bits, &d, sizeof bits);
+    key.push_back(bits);
+    key.push_back(static_cast<int64_t>(number.type()));
+  } else if (v.isTensor()) {
+    add_tensor(key, v.toTensor());
+  } else if (v.isNone()) {
+    key.push_back(kNone);
+  } else if (v.isBool()) {
+    key.push_back(kBool);
+    key.push_back(v.toBool());
+  } else if (v.isInt()) {
+    key.push_back(kInt);
+    key.push_back(v.toInt());
+  } else if (v.isDouble()) {
+    key.push_back(kDouble);
+    const double d = v.toDouble();
+    int64_t bits = 0;
+    std::memcpy(&bits, &d, sizeof bits);
+    key.push_back(bits);
+  } else if (v.isString()) {
+    const auto& text = v.toStringRef();
+    key.push_back(kString);
+    key.push_back(static_cast<int64_t>(text.size()));
+    for (char c : text) {
+      key.push_back(c);
+    }
+  } else if (v.isIntList()) {
+    const auto list = v.toIntList();
+    key.push_back(kIntList);
+    key.push_back(static_cast<int64_t>(list.size()));
+    for (int64_t x : list) {
+      key.push_back(x);
+    }
+  } else {
+    return false;
+  }
+  return true;
+}
+
+// An argument as torch's Python fallback hands it to __torch_dispatch__ (a new reference; nullptr with
+// no exception set for a type not handled). `wrapper`: the emulated tensor the argument was, if it was one.
+PyObject* to_python(const c10::IValue& v, PyObject* wrapper) {
+  if (wrapper != nullptr) {
+    Py_INCREF(wrapper);
+    return wrapper;
+  }
+  if (v.isTensor() && v.toTensor().defined() && v.toTensor().unsafeGetTensorImpl()->is_wrapped_number()) {
+    const c10::Scalar number = v.toTensor().item();  // as torch's fallback hands a Python number on
+    if (number.isBoolean()) {
+      return PyBool_FromLong(number.toBool());
+    }
+    if (number.isIntegral(/*includeBool=*/false)) {
+      return PyLong_FromLongLong(number.toLong());
+    }
+    return number.isFloatingPoint() ? PyFloat_FromDouble(number.toDouble()) : nullptr;
+  }
+  if (v.isTensor()) {
+    return v.toTensor().defined() ? THPVariable_Wrap(v.toTensor()) : Py_NewRef(Py_None);
+  }
+  if (v.isNone()) {
+    return Py_NewRef(Py_None);
+  }
+  if (v.isBool()) {
+    return PyBool_FromLong(v.toBool());
+  }
+  if (v.isInt()) {
+    return PyLong_FromLongLong(v.toInt());
+  }
+  if (v.isDouble()) {
+    return PyFloat_FromDouble(v.toDouble());
+  }
+  if (v.isString()) {
+    return PyUnicode_FromStringAndSize(v.toStringRef().data(), static_cast<Py_ssize_t>(v.toStringRef().size()));
+  }
+  if (v.isIntList()) {
+    const auto list = v.toIntList();
+    PyObject* out = PyList_New(static_cast<Py_ssize_t>(list.size()));
+    for (size_t i = 0; out != nullptr && i < list.size(); ++i) {
+      PyList_SET_ITEM(out, static_cast<Py_ssize_t>(i), PyLong_FromLongLong(list[i]));
+    }
+    return out;
+  }
+  return nullptr;
+}
+
+// The cost of `op` from the cache, or priced by g_cost (args/kwargs split as torch's fallback splits
+// them); a borrowed reference, nullptr when it cannot be had (then the Python path times the op).
+PyObject* cost_of(const c10::OperatorHandle& op, Signature&& key, const std::vector<c10::IValue>& args,
+                  const std::vector<PyObject*>& wrappers, const std::vector<c10::IValue>& outs, PyObject* func) {
+  auto found = g_costs.find(key);
+  if (found != g_costs.end()) {
+    return found->second;
+  }
+  const auto& schema = op.schema().arguments();
+  Ref positional(PyList_New(0));
+  Ref kwargs(PyDict_New());
+  if (positional.p == nullptr || kwargs.p == nullptr) {
+    return nullptr;
+  }
+  for (size_t i = 0; i < args.size(); ++i) {
+    Ref value(to_python(args[i], wrappers[i]));
+    if (value.p == nullptr) {
+      return nullptr;
+    }
+    if (schema[i].kwarg_only()) {
+      if (PyDict_SetItemString(kwargs.p, schema[i].name().c_str(), value.p) != 0) {
+        return nullptr;
+      }
+    } else if (PyList_Append(positional.p, value.p) != 0) {
+      return nullptr;
+    }
+  }
+  Ref positional_tuple(PyList_AsTuple(positional.p));
+  Ref out(outs.size() == 1 ? to_python(outs[0], nullptr) : PyTuple_New(static_cast<Py_ssize_t>(outs.size())));
+  if (positional_tuple.p == nullptr || out.p == nullptr) {
+    return nullptr;
+  }
+  for (size_t i = 0; outs.size() > 1 && i < outs.size(); ++i) {
+    PyObject* item = to_python(outs[i], nullptr);
+    if (item == nullptr) {
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(out.p, static_cast<Py_ssize_t>(i), item);
+  }
+  PyObject* cost = PyObject_CallFunctionObjArgs(g_cost, func, positional_tuple.p, kwargs.p, out.p, nullptr);
+  if (cost == nullptr) {
+    return nullptr;
+  }
+  if (g_costs.size() >= kMaxCosts) {
+    for (auto& entry : g_costs) {
+      Py_DECREF(entry.second);
+    }
+    g_costs.clear();
+  }
+  g_costs.emplace(std::move(key), cost);  // the table's reference
+  return cost;
+}
 
 // A wrapper of `elem` as shim/tensor/wrapper.py's _new makes it (Tensor._make_wrapper_subclass with elem's
 // sizes, strides, offset and dtype on mirage:0): a storage that only tracks aliasing (no data),
@@ -199,6 +397,54 @@ bool view_in_cpp(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   return true;
 }
 
+// Clocked mode: advance the rank's clock by the plain op just run, as __torch_dispatch__ does with
+// Clock.charge, its cost found by its signature. False (a Python exception cleared) when it cannot be:
+// the Python path runs the functional op again and times it.
+bool charge(const c10::OperatorHandle& op, const std::vector<c10::IValue>& given, const std::vector<PyObject*>& wrappers,
+            const std::vector<c10::IValue>& outs, PyObject* func, long gpu_index) {
+  Signature key;
+  key.reserve(64);
+  key.push_back(reinterpret_cast<int64_t>(&op.schema()));
+  for (const auto& value : given) {
+    if (!add_value(key, value)) {
+      return false;
+    }
+  }
+  for (const auto& value : outs) {
+    if (!add_value(key, value)) {
+      return false;
+    }
+  }
+  PyObject* cost = cost_of(op, std::move(key), given, wrappers, outs, func);
+  if (cost == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  Py_ssize_t count = 0;
+  for (PyObject* w : wrappers) {
+    count += w != nullptr;
+  }
+  Ref inputs(PyTuple_New(count));  // the emulated inputs: a collective that writes one delays the op
+  Ref gpu(PyLong_FromLong(gpu_index));
+  if (inputs.p == nullptr || gpu.p == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  Py_ssize_t next = 0;
+  for (PyObject* w : wrappers) {
+    if (w != nullptr) {
+      Py_INCREF(w);
+      PyTuple_SET_ITEM(inputs.p, next++, w);
+    }
+  }
+  Ref done(PyObject_CallFunctionObjArgs(g_charge, gpu.p, func, cost, inputs.p, nullptr));
+  if (done.p == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  return true;
+}
+
 // A functional op (no aliasing, no side effects, no device arguments: shim/tensor/fast_dispatch.py picks them)
 // on exact MirageTensors of one GPU and 0-dim CPU tensors, done here as _fast does it: the op on
 // the CPU tensors inside (the GIL released), each output wrapped and counted by the allocator
@@ -212,6 +458,22 @@ bool plain_in_cpp(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   auto args = stack->end() - static_cast<std::ptrdiff_t>(num_arguments);
   torch::jit::Stack inner(args, stack->end());
   long gpu_index = -1;  // the GPU of the wrappers among the arguments (-1: none seen)
+  const bool clocked = g_charge != nullptr;
+  PyObject* func = nullptr;
+  if (clocked) {
+    auto found = g_funcs.find(&op.schema());
+    if (found == g_funcs.end()) {
+      return false;
+    }
+    func = found->second;
+  }
+  // clocked mode: the arguments as given (their costs' signature, and g_cost's arguments on a miss)
+  std::vector<c10::IValue> given;
+  std::vector<PyObject*> wrappers;  // borrowed: the stack holds them until this returns
+  if (clocked) {
+    given.assign(inner.begin(), inner.end());
+    wrappers.assign(inner.size(), nullptr);
+  }
   for (size_t i = 0; i < inner.size(); ++i) {
     if (!inner[i].isTensor() || !inner[i].toTensor().defined()) {
       continue;  // the ops registered take no lists of tensors
@@ -239,6 +501,9 @@ bool plain_in_cpp(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       gpu_index = index;
     } else if (index != gpu_index) {
       return false;  // two GPUs: _dispatch raises torch's error
+    }
+    if (clocked) {
+      wrappers[i] = obj;
     }
     inner[i] = THPVariable_Unpack(elem.p);
     if (inner[i].unsafeToTensorImpl()->layout() != c10::kStrided) {
@@ -293,6 +558,9 @@ bool plain_in_cpp(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       return false;
     }
     outs.emplace_back(std::move(wrapper));
+  }
+  if (clocked && !charge(op, given, wrappers, outs, func, gpu_index)) {
+    return false;
   }
   torch::jit::drop(*stack, num_arguments);
   for (auto& value : outs) {
@@ -351,16 +619,20 @@ extern "C" PyObject* mirage_new_wrapper() {
 
 // Register the view kernel on the ops `views` names (aten overloads: "view", "transpose.int") and
 // the plain kernel on those `plain` names; `wrapper_type` is MirageTensor, `allocating` the
-// threading.local whose .gpu overrides an output's GPU, `hold` the allocator's ALLOCATOR.hold.
-// Called with the GIL held (ctypes.PyDLL). Returns 0, or -1 with a Python exception set.
+// threading.local whose .gpu overrides an output's GPU, `hold` the allocator's ALLOCATOR.hold;
+// `plain_funcs` the plain ops' OpOverloads (in the order of `plain`), `cost` and `charge` clocked mode's
+// pricing and clock (both None in functional mode: g_cost, g_charge). Called with the GIL held (ctypes.PyDLL). Returns 0, or -1 with a Python exception set.
 extern "C" int mirage_register_kernels(PyObject* wrapper_type, PyObject* allocating, PyObject* hold,
-                                       PyObject* views, PyObject* plain) {
+                                       PyObject* views, PyObject* plain, PyObject* plain_funcs, PyObject* cost,
+                                       PyObject* charge) {
   if (g_library != nullptr) {
     PyErr_SetString(PyExc_RuntimeError, "the kernels are registered already");
     return -1;
   }
-  if (!PyType_Check(wrapper_type) || !PyList_Check(views) || !PyList_Check(plain)) {
-    PyErr_SetString(PyExc_TypeError, "expected the wrapper's type and two lists of op names");
+  if (!PyType_Check(wrapper_type) || !PyList_Check(views) || !PyList_Check(plain) || !PyList_Check(plain_funcs) ||
+      PyList_GET_SIZE(plain_funcs) != PyList_GET_SIZE(plain) || (cost == Py_None) != (charge == Py_None)) {
+    PyErr_SetString(PyExc_TypeError,
+                    "expected the wrapper's type, two lists of op names, the plain ops and two callables or Nones");
     return -1;
   }
   g_elem = PyUnicode_InternFromString("_elem");
@@ -386,7 +658,22 @@ extern "C" int mirage_register_kernels(PyObject* wrapper_type, PyObject* allocat
         }
         library->impl(name, names == views ? torch::CppFunction::makeFromBoxedFunction<&kernel<&view_in_cpp>>()
                                            : torch::CppFunction::makeFromBoxedFunction<&kernel<&plain_in_cpp>>());
+        if (names == plain) {
+          std::string full(name);
+          const auto dot = full.find('.');
+          const auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(
+              ("aten::" + full.substr(0, dot)).c_str(), dot == std::string::npos ? "" : full.substr(dot + 1).c_str());
+          PyObject* func = PyList_GET_ITEM(plain_funcs, i);
+          Py_INCREF(func);
+          g_funcs[&handle.schema()] = func;
+        }
       }
+    }
+    if (cost != Py_None) {
+      Py_INCREF(cost);
+      Py_INCREF(charge);
+      g_cost = cost;
+      g_charge = charge;
     }
     g_library = library.release();
   } catch (const std::exception& e) {

@@ -12,6 +12,12 @@ makes the wrappers of the outputs of the ops left to Python (``shim/tensor/wrapp
 ``_new``): the same wrapper as ``Tensor._make_wrapper_subclass``, without
 parsing its dozen keyword arguments for each op.
 
+In clocked mode the plain ops are timed in C++ as well: each op's cost is
+looked up by its signature (the op, its tensors' dtypes, sizes and strides, its
+other arguments) in a table the roofline fills on a miss (:func:`_priced`), and
+the rank's clock is advanced by ``Clock.charge_priced``. Estimate mode keeps
+the plain ops in Python, where its rules for tensors without values live.
+
 Without a C++ compiler, or Python's headers, every op keeps going through
 ``__torch_dispatch__`` and every wrapper through ``_make_wrapper_subclass``
 (:data:`FAST_DISPATCH_ERROR` says why).
@@ -20,9 +26,11 @@ Without a C++ compiler, or Python's headers, every op keeps going through
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
+from shim.clock.roofline import OpCost, op_cost
 from shim.device import state as dev
 from shim.memory import allocator  # noqa: F401 - it builds RUNTIME.allocator
 from shim.native import build as native_build
@@ -92,24 +100,33 @@ def _check_plain(op) -> str:
     return _name(op)
 
 
+def _priced(profile, func, args, kwargs, out) -> OpCost:
+    """The cost of a plain op whose signature the C++ table has not seen yet (clocked mode)."""
+    return op_cost(func, args, kwargs, out, profile)
+
+
 def install() -> None:
     """Build (once, cached) and register the kernels; on failure record why in :data:`FAST_DISPATCH_ERROR`."""
     global FAST_DISPATCH_ERROR, _lib
     try:
         views = [_check_view(op) for op in VIEW_OPS]
-        # Clocked mode times every kernel in Python (shim/clock/clock.py); a view launches none, so only the
-        # views stay in C++ there.
-        plain = [] if RUNTIME.settings.clocked else [_check_plain(op) for op in PLAIN_OPS]
+        # Estimate mode's rules for tensors without values (shim/tensor/estimate.py) are Python's: only the
+        # views, which launch no kernel, stay in C++ there.
+        plain_ops = [] if RUNTIME.settings.estimate else list(PLAIN_OPS)
+        plain = [_check_plain(op) for op in plain_ops]
         lib = native_build.load(native_build.FAST_DISPATCH_SOURCE, "the fast dispatch kernels", ctypes.PyDLL)
     except (AssertionError, native_build.BuildError) as e:  # another torch's schemas, or no build
         FAST_DISPATCH_ERROR = str(e)
         return
     register = lib.mirage_register_kernels
-    register.argtypes = [ctypes.py_object] * 5
+    register.argtypes = [ctypes.py_object] * 8
     register.restype = ctypes.c_int
+    clock = RUNTIME.clock  # clocked mode: the plain ops are timed in C++ too, priced once per signature
+    cost = None if clock is None else functools.partial(_priced, clock.profile)
     try:
         # dev._alloc: the thread's allocating_on() GPU, which overrides an output's GPU as in _fast
-        register(MirageTensor, dev._alloc, RUNTIME.allocator.hold, views, plain)
+        register(MirageTensor, dev._alloc, RUNTIME.allocator.hold, views, plain, plain_ops, cost,
+                 None if clock is None else clock.charge_priced)
     except (RuntimeError, TypeError) as e:  # the error the library set (PyDLL raises it)
         FAST_DISPATCH_ERROR = f"cannot register the fast dispatch kernels: {e}"
         return
