@@ -113,7 +113,7 @@ struct Ref {
   }
 };
 
-// Clocked mode (None in functional mode): the plain ops are timed here too, from a cache of their
+// Clocked mode (both nullptr in functional mode): the plain ops are timed here too, from a cache of their
 // costs. g_cost(func, args, kwargs, out) -> OpCost prices an op the cache has not seen (shim/clock/roofline.py's
 // op_cost); g_charge(gpu, func, cost, inputs) advances the rank's clock by it (Clock.charge_priced).
 PyObject* g_cost = nullptr;
@@ -420,6 +420,8 @@ bool charge(const c10::OperatorHandle& op, const std::vector<c10::IValue>& given
     PyErr_Clear();
     return false;
   }
+  Py_INCREF(cost);  // held: the table may start afresh while Python runs
+  Ref held(cost);
   Py_ssize_t count = 0;
   for (PyObject* w : wrappers) {
     count += w != nullptr;
