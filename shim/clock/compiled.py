@@ -30,10 +30,11 @@ _pending = threading.local()  # the kernels scheduled since the last compiled gr
 
 def _kernel(node) -> tuple | None:
     """``(name, flops, bytes, dtype)`` of the kernel a scheduler node stands for; None for one that runs none."""
+    from torch._inductor.ir import MultiOutput
     from torch._inductor.scheduler import NopKernelSchedulerNode
 
-    if isinstance(node, NopKernelSchedulerNode):
-        return None
+    if isinstance(node, NopKernelSchedulerNode) or isinstance(node.node, MultiOutput):
+        return None  # a MultiOutput takes one output of a kernel of several (``buf1 = buf0[0]``): no kernel
     ops = sorted({_op_name(origin) for n in node.get_nodes() if n.node is not None for origin in n.node.get_origins()})
     name = ("extern_" if node.is_extern() else "fused_") + "_".join(ops)[:80]
     try:
@@ -41,15 +42,29 @@ def _kernel(node) -> tuple | None:
     except Exception:  # noqa: BLE001 - an estimate inductor cannot make: the kernel is timed by its bytes
         flops = None
     nbytes = int(node.get_read_write_buffers_sizes())
-    dtype = None
-    for n in node.get_nodes():
-        get_dtype = getattr(n.node, "get_dtype", None)
-        if get_dtype is not None:
-            dtype = get_dtype()
-            break
+    dtype = next(filter(None, map(_dtype, node.get_nodes())), None)
     if flops is not None and dtype is None:
         dtype = torch.float32  # a kernel whose buffers name no dtype: the math at the fp32 rate
     return name, flops, nbytes, dtype
+
+
+def _dtype(node) -> torch.dtype | None:
+    """The dtype of a scheduler node's buffer, or of its first input's for a kernel of several outputs.
+
+    Such a kernel's buffer (SDPA's output and log-sum-exp, say: a ``MultiOutputLayout``) has
+    no dtype of its own, and asking inductor for it raises; it computes in its inputs'.
+    """
+    from torch._inductor.ir import MultiOutputLayout
+
+    buffer = node.node
+    if buffer is None or not hasattr(buffer, "get_dtype"):
+        return None
+    if not isinstance(getattr(buffer, "layout", None), MultiOutputLayout):
+        return buffer.get_dtype()
+    for i in getattr(buffer, "inputs", ()):
+        if hasattr(i, "get_dtype"):
+            return i.get_dtype()
+    return None
 
 
 def _op_name(origin) -> str:
