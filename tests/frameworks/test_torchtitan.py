@@ -55,7 +55,7 @@ def train(tmp_path: Path, titan: tuple[Path, Path], *flags: str, mode: str = "fu
         "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
     }
     r = subprocess.run(
-        [sys.executable, "-m", "mirage_tui", "run", "--log-dir", str(tmp_path / "log"), "--gpus-per-node", "2",
+        [sys.executable, "-m", "mirage_tui", "run", "--log-dir", str(tmp_path), "--gpus-per-node", "2",
          "--exec-mode", mode, "--", "torchrun", "--standalone", "--nproc_per_node=2", "-m", "torchtitan.train",
          "--job.config_file", str(assets / "debug_model.toml"), "--job.dump_folder", str(tmp_path / "out"),
          "--training.steps", str(STEPS), *flags],
@@ -71,9 +71,10 @@ def train(tmp_path: Path, titan: tuple[Path, Path], *flags: str, mode: str = "fu
 
 
 def test_llama3_debug_model_compiled_follows_eager(tmp_path, titan):
-    compiled = train(tmp_path / "compiled", titan, "--compile.enable")
+    # short folders: the daemon's socket paths live under the log folder (at most 70 bytes)
+    compiled = train(tmp_path / "c", titan, "--compile.enable")
     assert compiled["kernel_modules"] > 0, compiled["out"][-3000:]
-    eager = train(tmp_path / "eager", titan)
+    eager = train(tmp_path / "e", titan)
     assert eager["kernel_modules"] == 0
     losses = [loss for _, loss, _ in compiled["steps"]]
     assert losses[-1] < losses[0], compiled["steps"]
