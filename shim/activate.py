@@ -59,7 +59,7 @@ def activate() -> None:
     from shim.comm import local as local_comm
     from shim.compile import torch_compile
     from shim.cuda import api as cuda
-    from shim.cuda import mode
+    from shim.cuda import gpu_builds, mode
     from shim.device import autocast, deferred
     from shim.ops import attention
     from shim.tensor import fast_dispatch
@@ -73,6 +73,7 @@ def activate() -> None:
     attention.install(tensor.MirageTensor)  # CPU kernels of CUDA-only ops, higher-order ops, SDPA's choice
     torch_compile.install()
     cuda.install()
+    gpu_builds.install()  # DeepSpeed's CUDA/HIP ops, refused in one line
     local_comm.install()  # torch.cuda.comm / torch.cuda.nccl among this process's GPUs (nn.DataParallel)
     mode.install()
     from shim.comm import c10d_patches, sharding, world

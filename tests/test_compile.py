@@ -341,3 +341,40 @@ def test_clocked_mode_prices_the_kernels_inductor_generated(tmp_path):
     assert "aten::sin" in eager_names and "aten::sin" not in compiled_names
     # fused, the chain moves its data once instead of once per op: cheaper, but not free (it is priced)
     assert 0.1 * eager_s < compiled_s < 0.7 * eager_s, (compiled_s, eager_s)
+
+
+ATTENTION = r'''
+import torch
+import torch.nn.functional as F
+
+torch.manual_seed(0)
+q = torch.randn(2, 4, 128, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+
+@torch.compile
+def attend(q):
+    return F.scaled_dot_product_attention(q, q * 2, q, is_causal=True).float().square().mean()
+
+
+for _ in range(2):
+    attend(q).backward()
+print("attention_ok")
+'''
+
+
+@pytest.mark.compile
+def test_clocked_mode_prices_a_compiled_kernel_of_several_outputs(tmp_path):
+    """SDPA in a compiled graph is one extern kernel of two outputs (the attention and its log-sum-exp, a
+    ``MultiOutputLayout`` with no dtype of its own): priced once per call by the GPU flash attention's FLOPs, its
+    outputs taken from it for free. torchtitan's compiled blocks stopped on it in clocked mode
+    ("NotImplementedError: MultiOutputLayout")."""
+    r = mirage_run(tmp_path, "--exec-mode", "clocked", "--", "python", "-c", ATTENTION, timeout=300)
+    assert r.returncode == 0 and "[0] attention_ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    (run,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    kernels = [e for e in json.loads((run / "trace.json").read_text())["traceEvents"] if e.get("ph") == "X"]
+    forward = [e for e in kernels if e["name"] == "extern__scaled_dot_product_flash_attention_for_cpu"]
+    backward = [e for e in kernels if e["name"].startswith("extern__scaled_dot_product_flash_attention_for_cpu_backward")]
+    assert len(forward) == 2 and len(backward) == 2, [e["name"] for e in kernels]
+    # the GPU flash attention's formulas (4·b·h·s²·d forward, 2.5 times that backward), not its bytes alone
+    assert [e["args"]["flops"] for e in forward + backward] == [4 * 2 * 4 * 128 * 128 * 64] * 2 + [
+        10 * 2 * 4 * 128 * 128 * 64] * 2, forward + backward

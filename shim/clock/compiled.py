@@ -30,26 +30,52 @@ _pending = threading.local()  # the kernels scheduled since the last compiled gr
 
 def _kernel(node) -> tuple | None:
     """``(name, flops, bytes, dtype)`` of the kernel a scheduler node stands for; None for one that runs none."""
+    from torch._inductor.ir import MultiOutput
     from torch._inductor.scheduler import NopKernelSchedulerNode
 
-    if isinstance(node, NopKernelSchedulerNode):
-        return None
+    if isinstance(node, NopKernelSchedulerNode) or isinstance(node.node, MultiOutput):
+        return None  # a MultiOutput takes one output of a kernel of several (``buf1 = buf0[0]``): no kernel
     ops = sorted({_op_name(origin) for n in node.get_nodes() if n.node is not None for origin in n.node.get_origins()})
     name = ("extern_" if node.is_extern() else "fused_") + "_".join(ops)[:80]
     try:
-        flops = node.estimate_flops() or None
+        flops = node.estimate_flops() or _fallback_flops(node) or None
     except Exception:  # noqa: BLE001 - an estimate inductor cannot make: the kernel is timed by its bytes
         flops = None
     nbytes = int(node.get_read_write_buffers_sizes())
-    dtype = None
-    for n in node.get_nodes():
-        get_dtype = getattr(n.node, "get_dtype", None)
-        if get_dtype is not None:
-            dtype = get_dtype()
-            break
+    dtype = next(filter(None, map(_dtype, node.get_nodes())), None)
     if flops is not None and dtype is None:
         dtype = torch.float32  # a kernel whose buffers name no dtype: the math at the fp32 rate
     return name, flops, nbytes, dtype
+
+
+def _fallback_flops(node) -> int | None:
+    """The FLOPs of an extern kernel that runs one ATen op inductor has no lowering for (a ``FallbackKernel``:
+    SDPA on the host), whose FX node inductor's estimate does not find (it has no ``origin_node``)."""
+    from torch._inductor.fx_utils import count_flops_fx, countable_fx
+
+    if not node.is_extern() or node.node is None or node.node.get_origin_node() is not None:
+        return None
+    counted = [o for o in node.node.get_origins() if countable_fx(o)]
+    return count_flops_fx(counted[0]) if len(counted) == 1 else None
+
+
+def _dtype(node) -> torch.dtype | None:
+    """The dtype of a scheduler node's buffer, or of its first input's for a kernel of several outputs.
+
+    Such a kernel's buffer (SDPA's output and log-sum-exp, say: a ``MultiOutputLayout``) has
+    no dtype of its own, and asking inductor for it raises; it computes in its inputs'.
+    """
+    from torch._inductor.ir import MultiOutputLayout
+
+    buffer = node.node
+    if buffer is None or not hasattr(buffer, "get_dtype"):
+        return None
+    if not isinstance(getattr(buffer, "layout", None), MultiOutputLayout):
+        return buffer.get_dtype()
+    for i in getattr(buffer, "inputs", ()):
+        if hasattr(i, "get_dtype"):
+            return i.get_dtype()
+    return None
 
 
 def _op_name(origin) -> str:
@@ -99,6 +125,23 @@ def _hook_output_code() -> None:
     compiled.__call__ = _charging(compiled.__call__)
 
 
+def _count_host_attention() -> None:
+    """Give the CPU flash attention the FLOP formulas of the GPU's, whose place it takes in compiled graphs.
+
+    Eagerly the emulated GPU runs ``_scaled_dot_product_flash_attention`` (priced by its formula);
+    a compiled graph, traced over the host tensors, holds the CPU variant, which torch's flop counter
+    does not know: inductor's estimate of that kernel was None, and it was priced by its bytes alone.
+    """
+    from torch.utils import flop_counter
+
+    aten = torch.ops.aten
+    for host, gpu in ((aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention),
+                      (aten._scaled_dot_product_flash_attention_for_cpu_backward,
+                       aten._scaled_dot_product_flash_attention_backward)):
+        if host not in flop_counter.flop_registry:
+            flop_counter.flop_registry[host] = flop_counter.flop_registry[gpu]
+
+
 def install() -> None:
     """In clocked mode, once dynamo is imported: price compiled graphs by their kernels (see above)."""
     import torch._functorch.config
@@ -106,6 +149,7 @@ def install() -> None:
 
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
+    _count_host_attention()
     after_import("torch._inductor.scheduler", _hook_scheduler)
     after_import("torch._inductor.output_code", _hook_output_code)
 
