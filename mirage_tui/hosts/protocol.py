@@ -48,7 +48,8 @@ class AgentMessage(s.Message):
 @dataclass(frozen=True)
 class AgentHello(AgentMessage):
     """An agent is up on ``host`` (Slurm's node ``slurm_node``); ``address`` is its interface's address,
-    ``master_port`` a free port there (torchrun's rendezvous when it hosts node 0)."""
+    ``master_port`` a free port there (torchrun's rendezvous when it hosts node 0); ``peer_endpoint`` and
+    ``peer_key`` are where its daemon takes the other hosts' daemons' links, and that daemon's CURVE public key."""
 
     TYPE: ClassVar[str] = "hello"
     token: str = ""
@@ -57,6 +58,8 @@ class AgentHello(AgentMessage):
     slurm_node: int = 0
     pid: int = 0
     master_port: int = 0
+    peer_endpoint: str = ""
+    peer_key: str = ""
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,15 @@ class Process:
     node: int
     rank: int | None
     env: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Peers(AgentMessage):
+    """Where every host's daemon takes peer links: host -> [endpoint, CURVE public key]. Sent once every agent
+    said hello, before any :class:`Launch`, so that a communicator across hosts finds its daemons linked."""
+
+    TYPE: ClassVar[str] = "peers"
+    hosts: dict[str, list[str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
