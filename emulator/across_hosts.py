@@ -57,12 +57,6 @@ class AcrossHosts:
         """Whether an exchange has local work left (the loop then polls without sleeping)."""
         return any(ex.busy for ex in self.running.values())
 
-    @property
-    def draining(self) -> bool:
-        """Whether an exchange waits only for its last bytes to go out (the loop then sleeps briefly: nothing
-        wakes it when they have)."""
-        return any(ex.draining for ex in self.running.values())
-
     def join(self, init: s.CommInit) -> None:
         """A member on this host joins its communicator's share here."""
         links = self.links
@@ -131,12 +125,11 @@ class AcrossHosts:
             return self.fail(ex.job.comm, CommError("ncclInvalidUsage", str(e)), [])
         self.finish_if_done(ex)
 
-    def send(self, j: int, msg: p.PeerChunk, data):
-        return self.links.send(self.hosts[msg.comm][j], msg, data)
+    def send(self, j: int, msg: p.PeerChunk, data) -> None:
+        self.links.send(self.hosts[msg.comm][j], msg, data)
 
     def advance(self) -> None:
-        """Local work of the exchanges in flight, a turn's worth each; the finished ones answer their ranks
-        (the loop calls it while :attr:`busy` or :attr:`draining`)."""
+        """Local work of the exchanges in flight, a turn's worth each; the finished ones answer their ranks."""
         for ex in list(self.running.values()):
             if ex.busy:
                 ex.advance(self.send)
@@ -154,8 +147,7 @@ class AcrossHosts:
             self.reply(posted.client, s.Done(req=posted.request.req, comm=req.comm, seq=req.seq))
 
     def check(self, now: float) -> None:
-        """Fail the exchanges still waiting on a host whose daemon has been silent for ``SILENCE_S``; finish those
-        whose last bytes have gone out."""
+        """Fail the exchanges still waiting on a host whose daemon has been silent for ``SILENCE_S``."""
         for ex in list(self.running.values()):
             silent = sorted((self.links.silent_for(ex.hosts[j], now), ex.hosts[j]) for j in ex.waiting_on())
             if silent and silent[-1][0] > SILENCE_S:
@@ -164,8 +156,6 @@ class AcrossHosts:
                 self.fail(ex.job.comm, CommError(
                     "ncclRemoteError", f"host {host}'s daemon has not been heard from for {waited:.1f} s while ranks "
                                        f"{{{ranks}}} on {self.links.host} wait in collective #{ex.req.seq}"), [])
-            else:
-                self.finish_if_done(ex)  # its last trackers may have completed since
 
     def fail(self, comm: Communicator, err: CommError, extra: list[Posted]) -> None:
         """This host's share of ``comm`` failed: every member waiting here gets the error."""

@@ -51,7 +51,7 @@ from emulator.hang import HangDetector
 from emulator.ledger import CommError, Worlds
 from emulator.lifetime import die_with_parent, orphaned, stop_orphans
 from emulator.payloads import Payload, from_frames
-from emulator.peer_links import PeerLinks
+from emulator.peer_links import PeerLinks, PeerLinksError
 from emulator.ranks import RankProcesses
 from wire import schema as s
 from wire.arena import ArenaError
@@ -76,8 +76,6 @@ _STEP_FIELDS = ("rank", "node", "step", "t_start", "t_end", "compute_s", "comm_s
 MAX_FRAME_BYTES = s.MAX_DATA_FRAME_BYTES
 #: What CURVE adds to a message on the wire (its MESSAGE command, nonce, flags and MAC: 33 bytes), rounded up.
 CURVE_BOX_BYTES = 64
-#: How long the loop sleeps at most while an exchange across hosts waits only for its last bytes to go out.
-DRAIN_POLL_S = 0.0005
 ONE_FRAME = "malformed request: expected one frame (data frames follow only a socket-transport collective)"
 
 
@@ -140,7 +138,12 @@ class Daemon:
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
         # a host's daemon in a multi-host run: links to the other hosts' daemons, for communicators across hosts
-        self.links = PeerLinks(self.ctx, socket.gethostname(), token, peer_listen) if peer_listen else None
+        self.links = None
+        if peer_listen:
+            try:
+                self.links = PeerLinks(self.ctx, socket.gethostname(), token, peer_listen)
+            except PeerLinksError as e:  # its ranks' groups across hosts then fail when made, saying why
+                print(f"mirage daemon: no links to other hosts' daemons: {e}", file=sys.stderr, flush=True)
         if self.links is not None:
             self.poller.register(self.links.router, zmq.POLLIN)
         self.across = AcrossHosts(self.links, self.collectives.arena, self.collectives.buffers.view, self.reply)
@@ -314,9 +317,13 @@ class Daemon:
         """This host's agent says where the other hosts' daemons are: link to them."""
         if self.links is None:
             raise CommError("ncclInvalidUsage", "this daemon takes no peer links (it was started without --peer-listen)")
-        if any(not isinstance(v, list) or len(v) != 2 for v in msg.peers.values()):
-            raise CommError("ncclInvalidArgument", "a peer directory entry must be [endpoint, public key]")
-        self.links.link(msg.peers)
+        if any(not isinstance(v, list) or len(v) != 2 for v in msg.peers.values()) or len(msg.key) != 64:
+            raise CommError("ncclInvalidArgument", "a peer directory maps hosts to [endpoint, cipher], with a "
+                                                   "32-byte run key in hex")
+        try:
+            self.links.link(msg.peers, bytes.fromhex(msg.key))
+        except (PeerLinksError, ValueError) as e:
+            raise CommError("ncclInvalidUsage", f"cannot link to the other hosts' daemons: {e}") from None
         self.reply(client, s.Ok(req=msg.req))
 
     def _register_buffer(self, client: bytes, msg: s.RegisterBuffer, fds: Sequence[int],
@@ -347,7 +354,7 @@ class Daemon:
         self.events.publish(
             s.DaemonReady(pid=os.getpid(), profile=self.profile, nodes=self.nodes, gpus_per_node=self.gpus_per_node,
                           exec_mode=self.exec_mode, peer_endpoint=links.endpoint if links else "",
-                          peer_key=links.public_key.decode() if links else "")
+                          peer_cipher=links.cipher.name if links else "")
         )
 
     def rank_gone(self, rank: int, how: str) -> None:
@@ -373,8 +380,6 @@ class Daemon:
             # queued events wake the loop up to go out even if nothing else happens
             across = self.across
             wait_s = 0.0 if self.collectives.busy or across.busy else self.events.wait_s(PEER_CHECK_INTERVAL_S)
-            if across.draining:
-                wait_s = min(wait_s, DRAIN_POLL_S)
             ready = dict(self.poller.poll(wait_s * 1000))
             links = self.links
             for sock, flags in ready.items():
@@ -385,7 +390,7 @@ class Daemon:
             if links is not None and links.router in ready:
                 for msg, data in links.receive():
                     across.on_peer(msg, data)
-            if across.busy or across.draining:
+            if across.busy:
                 across.advance()
             if self.collectives.busy:
                 self.collectives.run_wave()

@@ -29,7 +29,6 @@ from collections import deque
 from collections.abc import Callable
 
 import numpy as np
-import zmq
 
 from emulator.scheduler import Job
 from wire import kernels
@@ -40,8 +39,8 @@ from wire import peers as p
 CHUNK_BYTES = 1 << 20
 #: Bytes of local reduction and sends per turn of the daemon's loop, so that it keeps reading its links.
 TURN_BYTES = 8 << 20
-#: Sends a chunk to host ``j`` (an index into the exchange's hosts); the tracker says when its bytes were read.
-Send = Callable[[int, p.PeerChunk, np.ndarray], "zmq.MessageTracker | None"]
+#: Sends a chunk to host ``j`` (an index into the exchange's hosts), its bytes read before it returns.
+Send = Callable[[int, p.PeerChunk, np.ndarray], None]
 
 
 class ExchangeError(Exception):
@@ -78,7 +77,6 @@ class Exchange:
         self.reduced_here: set[int] = set()  # own chunks whose ranks' reduction is done
         self.partials: dict[int, dict[int, np.ndarray]] = {}  # own chunk -> host -> its partial
         self.awaiting = [set(c) for c in self.chunks]  # per host, chunks still to come (own: still to finish)
-        self.trackers: list[zmq.MessageTracker] = []  # own reduced chunks on their way out
 
     @property
     def busy(self) -> bool:
@@ -86,14 +84,9 @@ class Exchange:
         return bool(self.todo)
 
     @property
-    def draining(self) -> bool:
-        """Whether only the result's last chunks going out keep it from finishing."""
-        return not self.todo and not any(self.awaiting) and not all(t.done for t in self.trackers)
-
-    @property
     def finished(self) -> bool:
-        """Every chunk reduced and received, and the ones sent from the result read: the ranks may have it."""
-        return not self.todo and not any(self.awaiting) and all(t.done for t in self.trackers)
+        """Every chunk reduced here, sent, and received: the ranks may have the result."""
+        return not self.todo and not any(self.awaiting)
 
     def waiting_on(self) -> set[int]:
         """The hosts this exchange still needs a chunk from."""
@@ -120,8 +113,9 @@ class Exchange:
             else:
                 send(j, self.header(p.PeerPhase.PARTIAL, a, b), self.out[a:b])
 
-    def take(self, j: int, msg: p.PeerChunk, data, send: Send) -> None:
-        """A chunk from host ``j``: a partial of this host's segment, or another segment's result."""
+    def take(self, j: int, msg: p.PeerChunk, data: np.ndarray | None, send: Send) -> None:
+        """A chunk from host ``j`` (its bytes in ``data``): a partial of this host's segment, or another
+        segment's result."""
         req = self.req
         if (msg.op, msg.reduce_op, msg.dtype, msg.numel) != (req.op, req.reduce_op, req.dtype, req.numel):
             raise ExchangeError(
@@ -134,7 +128,7 @@ class Exchange:
         if end is None or msg.count != end - msg.at or size != msg.count * self.itemsize:
             raise ExchangeError(f"host {self.hosts[j]} sent {size} bytes as elements {msg.at}..{msg.at + msg.count} "
                                 f"({msg.phase.value}) of collective #{req.seq}, which are not a chunk of its plan")
-        chunk = kernels.typed(np.frombuffer(data.buffer, np.uint8), req.dtype)
+        chunk = kernels.typed(np.frombuffer(data, np.uint8), req.dtype)
         if msg.phase is p.PeerPhase.REDUCED:
             if msg.at not in self.awaiting[j]:
                 raise ExchangeError(f"host {self.hosts[j]} sent elements {msg.at}.. of collective #{req.seq} twice")
@@ -173,6 +167,4 @@ class Exchange:
         self.partials.pop(a, None)
         self.awaiting[self.me].discard(a)
         for j in self.others:
-            tracker = send(j, self.header(p.PeerPhase.REDUCED, a, b), out)
-            if tracker is not None:
-                self.trackers.append(tracker)
+            send(j, self.header(p.PeerPhase.REDUCED, a, b), out)

@@ -1,15 +1,15 @@
-"""A host daemon's links to the other hosts' daemons (multi-host runs): sockets, keys, liveness.
+"""A host daemon's links to the other hosts' daemons (multi-host runs): sockets, seals, liveness.
 
 Collectives across hosts go host daemon to host daemon (``wire.peers``,
 :mod:`emulator.across_hosts`). Each host daemon binds one ROUTER on the run's
-interface only, as a CURVE server with a key pair it makes at start (the secret
-half never leaves the process; the public half goes out in its ``DaemonReady``
-and reaches the other hosts through the head's CURVE bus, in the
-``PeerDirectory`` its agent hands it). It sends over one DEALER per other host,
-which knows that host's public key: nobody on the network can pose as a peer
-daemon, read or change a chunk. A message counts only if it carries the session
-token (checked as the daemon checks every request), so a stranger who completes
-a CURVE handshake is ignored.
+interface only and sends over one DEALER per other host; every message on
+them is sealed with the run's peer keys (:mod:`emulator.peer_seal`: an
+authenticated cipher, a key per direction of each link, derived from a run key
+that reached this daemon through the head's CURVE bus and its agent, in the
+``PeerDirectory``), so nobody without that key can read a chunk, change it,
+replay it or pose as a peer daemon. A message that does not open is dropped
+and said in daemon.log. Inside the seal, every message also carries the
+session token, checked as the daemon checks every request.
 
 Every link carries a :class:`wire.peers.PeerBeat` each ``BEAT_S``, so a host
 whose daemon went silent (the host died, its daemon was killed, the network
@@ -22,8 +22,10 @@ import hmac
 import sys
 import time
 
+import numpy as np
 import zmq
 
+from emulator.peer_seal import TAG_BYTES, Seals, SealError, best_cipher
 from wire import peers as p
 from wire import schema as s
 
@@ -33,49 +35,59 @@ BEAT_S = 0.5
 #: agent (``mirage_tui.hosts.protocol.SILENCE_S``), so that a host that died is first reported as lost, by name,
 #: from the head.
 SILENCE_S = 10.0
-#: What CURVE adds to a message on the wire, rounded up (as ``emulator.daemon.CURVE_BOX_BYTES``).
-CURVE_BOX_BYTES = 64
 #: Messages read per turn of the daemon's loop, at most: its ranks' requests are not kept waiting.
 READ_BUDGET = 64
 #: Refused peer messages written to daemon.log one by one; after that, one line per thousand.
 REFUSALS_LOGGED = 20
 
 
+class PeerLinksError(Exception):
+    """This daemon cannot take peer links (no cipher: libsodium missing)."""
+
+
 class PeerLinks:
     """This daemon's ROUTER for the other hosts' daemons, and a DEALER to each of them."""
 
     def __init__(self, ctx: zmq.Context, host: str, token: str, address: str):
+        cipher = best_cipher()
+        if cipher is None:
+            raise PeerLinksError("libsodium, which seals the links between host daemons, was not found")
+        self.cipher = cipher
         self.ctx = ctx
         self.host = host
         self.token = token
         self._token_bytes = token.encode()
-        self.public_key, secret = zmq.curve_keypair()
+        self.seals: Seals | None = None  # once the run key came with the directory
         self.router = ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
-        self.router.setsockopt(zmq.MAXMSGSIZE, p.MAX_PEER_FRAME_BYTES + CURVE_BOX_BYTES)
+        self.router.setsockopt(zmq.MAXMSGSIZE, p.MAX_PEER_FRAME_BYTES + TAG_BYTES)
         self.router.setsockopt(zmq.RCVHWM, 0)  # a peer's chunks are never dropped: each is part of a result
-        self.router.curve_secretkey = secret
-        self.router.curve_publickey = self.public_key
-        self.router.curve_server = True
         self.router.bind(f"tcp://{address}:0")
         self.endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
         self.out: dict[str, zmq.Socket] = {}  # host -> the DEALER to its daemon
         self.heard: dict[str, float] = {}  # host -> when its daemon was last heard from (or linked)
         self.next_beat = 0.0
-        self.sent_bytes = 0  # data frames' bytes, both ways: daemon.log's last line says them
+        self.sent_bytes = 0  # data parts' bytes, both ways: daemon.log's last line says them
         self.received_bytes = 0
         self.refused = 0
 
-    def link(self, directory: dict[str, list[str]]) -> None:
-        """Connect to every other host of ``directory`` (host -> [endpoint, public key]) not linked yet."""
-        for host, (endpoint, key) in directory.items():
+    def link(self, directory: dict[str, list[str]], run_key: bytes) -> None:
+        """Connect to every other host of ``directory`` (host -> [endpoint, cipher]) not linked yet, sealing
+        with keys derived from ``run_key``; every host must seal with this daemon's cipher."""
+        other = {h: c for h, (_, c) in directory.items() if c != self.cipher.name}
+        if other:
+            raise PeerLinksError(f"hosts {sorted(other)} seal with {sorted(set(other.values()))}, this one with "
+                                 f"{self.cipher.name}")
+        if self.seals is None:
+            self.seals = Seals(self.cipher, self.host, run_key)
+        elif self.seals.run_key != run_key:
+            raise PeerLinksError("a second directory with another run key")
+        for host, (endpoint, _) in directory.items():
             if host == self.host or host in self.out:
                 continue
             dealer = self.ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
-            dealer.setsockopt(zmq.SNDHWM, 0)  # sends never block the loop: what waits is a job's own buffers
-            dealer.curve_serverkey = key.encode()
-            dealer.curve_publickey, dealer.curve_secretkey = zmq.curve_keypair()
+            dealer.setsockopt(zmq.SNDHWM, 0)  # sends never block the loop: each is a part of a result
             dealer.connect(endpoint)
             self.out[host] = dealer
             self.heard[host] = time.monotonic()
@@ -83,17 +95,13 @@ class PeerLinks:
     def knows(self, host: str) -> bool:
         return host == self.host or host in self.out
 
-    def send(self, host: str, msg: p.PeerMessage, data=None) -> zmq.MessageTracker | None:
-        """Send ``msg`` to ``host``'s daemon, ``data`` (a buffer) as its frame, not copied: the tracker says when
-        ZeroMQ is done reading it (the caller must not change it before)."""
-        head = s.encode(msg, token=self.token, host=self.host)
-        dealer = self.out[host]
-        if data is None:
-            dealer.send(head, zmq.NOBLOCK)
-            return None
-        dealer.send(head, zmq.SNDMORE | zmq.NOBLOCK)
-        self.sent_bytes += data.nbytes
-        return dealer.send(data, zmq.NOBLOCK, copy=False, track=True)
+    def send(self, host: str, msg: p.PeerMessage, data=None) -> None:
+        """Send ``msg`` to ``host``'s daemon, ``data`` (a buffer) after it; both sealed (read now: the caller may
+        change ``data`` once this returns)."""
+        frames = self.seals.seal(host, s.encode(msg, token=self.token, host=self.host), data)
+        if data is not None:
+            self.sent_bytes += len(frames[2]) - TAG_BYTES
+        self.out[host].send_multipart(frames, zmq.NOBLOCK, copy=False)
 
     def beat(self, now: float) -> None:
         """A beat on every link, every ``BEAT_S``."""
@@ -110,30 +118,31 @@ class PeerLinks:
         """Seconds since ``host``'s daemon was last heard from."""
         return now - self.heard.get(host, now)
 
-    def receive(self) -> list[tuple[p.PeerMessage, zmq.Frame | None]]:
-        """The messages waiting (up to ``READ_BUDGET``), each with its data frame; anything malformed, or without
-        the session token, is left out (and said in daemon.log)."""
+    def receive(self) -> list[tuple[p.PeerMessage, np.ndarray | None]]:
+        """The messages waiting (up to ``READ_BUDGET``), each with its data; one that does not open, is
+        malformed or lacks the session token is left out (and said in daemon.log)."""
         got = []
         for _ in range(READ_BUDGET):
             try:
                 frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
-            if len(frames) not in (2, 3):
-                self.refuse(f"{len(frames)} frames")
+            if self.seals is None:
+                self.refuse("a message before this daemon had the run's peer key")
                 continue
             try:
-                msg = p.decode(frames[1].bytes)
-            except s.SchemaError as e:
-                self.refuse(f"malformed: {e}")
+                src, header, data = self.seals.open([f.buffer for f in frames[1:]])
+                msg = p.decode(header.tobytes())
+            except (SealError, s.SchemaError) as e:
+                self.refuse(str(e))
                 continue
             # surrogatepass: JSON may carry a lone surrogate, which strict utf-8 refuses
-            if not hmac.compare_digest(msg.token.encode("utf-8", "surrogatepass"), self._token_bytes):
-                self.refuse("wrong or missing session token")
+            if msg.host != src or not hmac.compare_digest(msg.token.encode("utf-8", "surrogatepass"),
+                                                          self._token_bytes):
+                self.refuse("wrong sender or session token")
                 continue
             # (whether the sender is a host of the communicator a chunk names is for its exchange to check)
-            self.heard[msg.host] = time.monotonic()
-            data = frames[2] if len(frames) == 3 else None
+            self.heard[src] = time.monotonic()
             if data is not None:
                 self.received_bytes += len(data)
             got.append((msg, data))

@@ -22,14 +22,8 @@ from wire import peers as p
 from wire.schema import Collective, CollOp, ReduceOp
 
 
-class Frame:
-    """What a link hands over: the bytes as received, as a ZeroMQ frame holds them."""
-
-    def __init__(self, data: np.ndarray):
-        self.buffer = memoryview(data.tobytes())
-
-    def __len__(self) -> int:
-        return len(self.buffer)
+def Frame(data: np.ndarray) -> bytearray:  # noqa: N802 - what a link hands over: the bytes, once opened
+    return bytearray(data.tobytes())
 
 
 def _exchange(hosts: int, me: int, inputs: list[np.ndarray], dtype: str, op: ReduceOp, seq: int = 3) -> Exchange:
@@ -44,7 +38,7 @@ def _exchange(hosts: int, me: int, inputs: list[np.ndarray], dtype: str, op: Red
 def _run(exchanges: list[Exchange], seed: int) -> None:
     """Pass chunks between the exchanges, in a shuffled order, until none is left."""
     rng = random.Random(seed)
-    queue: list[tuple[int, p.PeerChunk, Frame]] = []
+    queue: list[tuple[int, p.PeerChunk, bytearray]] = []
 
     def sender(src: int):
         def send(j: int, msg: p.PeerChunk, data: np.ndarray):

@@ -171,10 +171,12 @@ class CommInit(Request):
 @dataclass(frozen=True)
 class PeerDirectory(Request):
     """A host's agent tells its daemon where the other hosts' daemons take peer links: host -> [endpoint,
-    CURVE public key] (multi-host runs; it came from the head over the agents' CURVE bus)."""
+    cipher], and the run key their links are sealed with, in hex (multi-host runs; both came from the head over
+    the agents' CURVE bus)."""
 
     TYPE: ClassVar[str] = "peer_directory"
     peers: dict[str, list[str]] = field(default_factory=dict)
+    key: str = ""
 
 
 class WorldPhase(str, Enum):
@@ -354,9 +356,9 @@ class DaemonReady(Event):
     nodes: int = 1
     gpus_per_node: int = 1
     exec_mode: str = "functional"  # or "clocked": the run keeps emulated time
-    # a host daemon's peer links (multi-host runs): where other hosts' daemons connect, and its CURVE public key
+    # a host daemon's peer links (multi-host runs): where other hosts' daemons connect, and the cipher it seals with
     peer_endpoint: str = ""
-    peer_key: str = ""
+    peer_cipher: str = ""
 
 
 @dataclass(frozen=True)

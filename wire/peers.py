@@ -4,10 +4,10 @@ A communicator whose members run on several hosts is served by every one of
 those hosts' daemons, each for its own ranks (``CommInit.hosts``); the daemons
 exchange the data among themselves, as RCCL's nodes do over the network, and
 the head's daemon keeps only the books (``Transport.HOSTS``). Each daemon binds
-one ROUTER on the run's interface (CURVE, its own key pair, whose public half
-reaches the others through the head: ``PeerDirectory``) and connects a DEALER
-to each other host's. Every message carries the session token, checked on
-arrival, and a :class:`PeerChunk` is followed by one data frame of its bytes.
+one ROUTER on the run's interface and connects a DEALER to each other host's;
+every message is sealed with the run's peer keys (``emulator.peer_seal``) and
+carries the session token, checked on arrival, and a :class:`PeerChunk` is
+followed by its bytes, sealed too.
 
 The messages are the wire format's, in a catalogue of their own
 (:data:`PEER_TYPES`), so that a peer link takes nothing but these and a rank's

@@ -117,7 +117,7 @@ class Agent:
         ready = self.daemon.ready
         self.send(ap.AgentHello(token=self.token, host=self.host, address=self.address, slurm_node=self.slurm_node,
                                 pid=os.getpid(), master_port=free_port(self.address),
-                                peer_endpoint=ready.peer_endpoint, peer_key=ready.peer_key))
+                                peer_endpoint=ready.peer_endpoint, peer_cipher=ready.peer_cipher))
         beat = 0.0
         code = 0
         try:
@@ -167,7 +167,7 @@ class Agent:
         if isinstance(msg, ap.Launch):
             self.launch(msg)
         elif isinstance(msg, ap.Peers):
-            self.link_daemon(msg.hosts)
+            self.link_daemon(msg.hosts, msg.key)
         elif isinstance(msg, ap.Watch):
             self.watched[msg.rank] = msg.pid
         elif isinstance(msg, ap.Kill):
@@ -181,16 +181,16 @@ class Agent:
             self.send(ap.Stacks(req=msg.req, ranks={
                 str(r): [diagnosis.process_status(pid), stacks.get(r, "")] for r, pid in pids.items()}))
 
-    def link_daemon(self, hosts: dict[str, list[str]]) -> None:
-        """Hand this host's daemon the other hosts' daemons' peer endpoints and keys (they came over the CURVE bus
-        from the head, so a daemon links only to the run's own). Done before any rank starts: Peers precedes
-        Launch. A daemon that cannot link says so in the first node's log; its ranks' groups across hosts then
+    def link_daemon(self, hosts: dict[str, list[str]], key: str) -> None:
+        """Hand this host's daemon the other hosts' daemons' peer endpoints and the run key that seals their links
+        (they came over the CURVE bus from the head, so a daemon links only to the run's own). Done before any
+        rank starts: Peers precedes Launch. A daemon that cannot link says so in the first node's log; its ranks' groups across hosts then
         fail when made, naming the hosts."""
         dealer = self.ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect(endpoints(self.run_dir)[0])
         try:
-            dealer.send(s.encode(s.PeerDirectory(peers=hosts), token=self.token))
+            dealer.send(s.encode(s.PeerDirectory(peers=hosts, key=key), token=self.token))
             reply = s.decode(dealer.recv()) if dealer.poll(LINK_TIMEOUT_S * 1000) else None
         finally:
             dealer.close(0)

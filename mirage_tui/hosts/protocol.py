@@ -49,7 +49,7 @@ class AgentMessage(s.Message):
 class AgentHello(AgentMessage):
     """An agent is up on ``host`` (Slurm's node ``slurm_node``); ``address`` is its interface's address,
     ``master_port`` a free port there (torchrun's rendezvous when it hosts node 0); ``peer_endpoint`` and
-    ``peer_key`` are where its daemon takes the other hosts' daemons' links, and that daemon's CURVE public key."""
+    ``peer_cipher`` are where its daemon takes the other hosts' daemons' links, and the cipher it seals them with."""
 
     TYPE: ClassVar[str] = "hello"
     token: str = ""
@@ -59,7 +59,7 @@ class AgentHello(AgentMessage):
     pid: int = 0
     master_port: int = 0
     peer_endpoint: str = ""
-    peer_key: str = ""
+    peer_cipher: str = ""
 
 
 @dataclass(frozen=True)
@@ -140,11 +140,13 @@ class Process:
 
 @dataclass(frozen=True)
 class Peers(AgentMessage):
-    """Where every host's daemon takes peer links: host -> [endpoint, CURVE public key]. Sent once every agent
-    said hello, before any :class:`Launch`, so that a communicator across hosts finds its daemons linked."""
+    """Where every host's daemon takes peer links: host -> [endpoint, cipher], and the run key (hex) their links
+    are sealed with (``emulator.peer_seal``), drawn by the head for this run. Sent once every agent said hello,
+    before any :class:`Launch`, so that a communicator across hosts finds its daemons linked."""
 
     TYPE: ClassVar[str] = "peers"
     hosts: dict[str, list[str]] = field(default_factory=dict)
+    key: str = ""
 
 
 @dataclass(frozen=True)
