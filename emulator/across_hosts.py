@@ -22,6 +22,7 @@ from collections.abc import Callable
 from emulator.host_exchange import Exchange, ExchangeError
 from emulator.ledger import CommError, Communicator, Ledger, Posted
 from emulator.peer_links import SILENCE_S, PeerLinks
+from emulator.peer_seal import SealError
 from emulator.scheduler import BufferOf, make_job
 from wire import peers as p
 from wire import schema as s
@@ -123,6 +124,9 @@ class AcrossHosts:
             ex.take(ex.hosts.index(msg.host), msg, data, self.send)
         except ExchangeError as e:
             return self.fail(ex.job.comm, CommError("ncclInvalidUsage", str(e)), [])
+        except SealError as e:  # its header opened, its bytes did not: altered on the way
+            return self.fail(ex.job.comm, CommError("ncclRemoteError", f"a chunk from host {msg.host} of collective "
+                                                                       f"#{msg.seq}: {e}"), [])
         self.finish_if_done(ex)
 
     def send(self, j: int, msg: p.PeerChunk, data) -> None:

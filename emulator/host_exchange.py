@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from emulator.peer_seal import Sealed
 from emulator.scheduler import Job
 from wire import kernels
 from wire import peers as p
@@ -113,9 +114,9 @@ class Exchange:
             else:
                 send(j, self.header(p.PeerPhase.PARTIAL, a, b), self.out[a:b])
 
-    def take(self, j: int, msg: p.PeerChunk, data: np.ndarray | None, send: Send) -> None:
-        """A chunk from host ``j`` (its bytes in ``data``): a partial of this host's segment, or another
-        segment's result."""
+    def take(self, j: int, msg: p.PeerChunk, data: Sealed | None, send: Send) -> None:
+        """A chunk from host ``j`` (its bytes in ``data``, opened here): a partial of this host's segment, or
+        another segment's result (opened straight into the result). :class:`SealError` if they do not open."""
         req = self.req
         if (msg.op, msg.reduce_op, msg.dtype, msg.numel) != (req.op, req.reduce_op, req.dtype, req.numel):
             raise ExchangeError(
@@ -124,22 +125,21 @@ class Exchange:
                 f"{req.numel} x {req.dtype}")
         owner = self.me if msg.phase is p.PeerPhase.PARTIAL else j
         end = self.chunks[owner].get(msg.at)
-        size = 0 if data is None else len(data)
+        size = 0 if data is None else data.nbytes
         if end is None or msg.count != end - msg.at or size != msg.count * self.itemsize:
             raise ExchangeError(f"host {self.hosts[j]} sent {size} bytes as elements {msg.at}..{msg.at + msg.count} "
                                 f"({msg.phase.value}) of collective #{req.seq}, which are not a chunk of its plan")
-        chunk = kernels.typed(np.frombuffer(data, np.uint8), req.dtype)
         if msg.phase is p.PeerPhase.REDUCED:
             if msg.at not in self.awaiting[j]:
                 raise ExchangeError(f"host {self.hosts[j]} sent elements {msg.at}.. of collective #{req.seq} twice")
-            self.out[msg.at:end] = chunk
+            data.open(self.out[msg.at:end].view(np.uint8))
             self.awaiting[j].discard(msg.at)
             return
         got = self.partials.setdefault(msg.at, {})
         if j in got or msg.at not in self.awaiting[self.me]:
             raise ExchangeError(f"host {self.hosts[j]} sent its part of elements {msg.at}.. of collective "
                                 f"#{req.seq} twice")
-        got[j] = chunk
+        got[j] = kernels.typed(data.open(), req.dtype)
         self._finish_own(msg.at, send)
 
     def deliver(self) -> None:

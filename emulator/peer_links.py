@@ -22,10 +22,9 @@ import hmac
 import sys
 import time
 
-import numpy as np
 import zmq
 
-from emulator.peer_seal import TAG_BYTES, Seals, SealError, best_cipher
+from emulator.peer_seal import TAG_BYTES, Sealed, Seals, SealError, best_cipher, keep_freed_buffers
 from wire import peers as p
 from wire import schema as s
 
@@ -53,6 +52,7 @@ class PeerLinks:
         if cipher is None:
             raise PeerLinksError("libsodium, which seals the links between host daemons, was not found")
         self.cipher = cipher
+        keep_freed_buffers()
         self.ctx = ctx
         self.host = host
         self.token = token
@@ -100,7 +100,7 @@ class PeerLinks:
         change ``data`` once this returns)."""
         frames = self.seals.seal(host, s.encode(msg, token=self.token, host=self.host), data)
         if data is not None:
-            self.sent_bytes += len(frames[2]) - TAG_BYTES
+            self.sent_bytes += len(frames[2]) - self.cipher.tag_bytes
         self.out[host].send_multipart(frames, zmq.NOBLOCK, copy=False)
 
     def beat(self, now: float) -> None:
@@ -118,9 +118,9 @@ class PeerLinks:
         """Seconds since ``host``'s daemon was last heard from."""
         return now - self.heard.get(host, now)
 
-    def receive(self) -> list[tuple[p.PeerMessage, np.ndarray | None]]:
-        """The messages waiting (up to ``READ_BUDGET``), each with its data; one that does not open, is
-        malformed or lacks the session token is left out (and said in daemon.log)."""
+    def receive(self) -> list[tuple[p.PeerMessage, Sealed | None]]:
+        """The messages waiting (up to ``READ_BUDGET``), each with its data, still sealed (opened where it goes);
+        one that does not open, is malformed or lacks the session token is left out (and said in daemon.log)."""
         got = []
         for _ in range(READ_BUDGET):
             try:
@@ -144,7 +144,7 @@ class PeerLinks:
             # (whether the sender is a host of the communicator a chunk names is for its exchange to check)
             self.heard[src] = time.monotonic()
             if data is not None:
-                self.received_bytes += len(data)
+                self.received_bytes += data.nbytes
             got.append((msg, data))
         return got
 

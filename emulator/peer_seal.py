@@ -34,8 +34,8 @@ import os
 import numpy as np
 import zmq
 
-#: Bytes an AEAD adds to what it seals (its tag).
-TAG_BYTES = 16
+#: Bytes an AEAD adds to what it seals (its tag), at most: 32 for AEGIS-256, 16 for the others.
+TAG_BYTES = 32
 
 
 class SealError(Exception):
@@ -57,10 +57,12 @@ def _libsodium() -> ctypes.CDLL | None:
 
 
 class Cipher:
-    """One libsodium AEAD (``crypto_aead_<name>``): 32-byte keys, 12-byte nonces, a 16-byte tag."""
+    """One libsodium AEAD (``crypto_aead_<name>``): 32-byte keys; its nonce and tag sizes are its own."""
 
     def __init__(self, lib: ctypes.CDLL, name: str):
         self.name = name
+        self.nonce_bytes = getattr(lib, f"crypto_aead_{name}_npubbytes")()
+        self.tag_bytes = getattr(lib, f"crypto_aead_{name}_abytes")()
         ptr, size, text = ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_char_p
         self._encrypt = getattr(lib, f"crypto_aead_{name}_encrypt")  # (c, clen_p, m, mlen, ad, adlen, nsec, npub, k)
         self._encrypt.argtypes = [ptr, ctypes.POINTER(size), ptr, size, text, size, ptr, text, text]
@@ -73,35 +75,67 @@ class Cipher:
         src = np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray) else data.view(np.uint8).reshape(-1)
         # numpy's allocations, not a bytearray's: large ones come in huge pages where the kernel has them, and
         # faulting in a fresh chunk's pages one by one cost as much as sealing it
-        out = np.empty(src.nbytes + TAG_BYTES, np.uint8)
+        out = np.empty(src.nbytes + self.tag_bytes, np.uint8)
         length = ctypes.c_ulonglong()
         self._encrypt(out.ctypes.data, ctypes.byref(length), src.ctypes.data, src.nbytes, ad, len(ad), None, nonce,
                       key)
         return out
 
-    def open(self, sealed, ad: bytes, nonce: bytes, key: bytes) -> np.ndarray:
-        """What ``sealed`` holds, or :class:`SealError` if it does not open under ``key``."""
+    def open(self, sealed, ad: bytes, nonce: bytes, key: bytes, out: np.ndarray | None = None) -> np.ndarray:
+        """What ``sealed`` holds (written into ``out``, bytes, if given), or :class:`SealError` if it does not
+        open under ``key`` (``out`` then holds nothing of it)."""
         src = np.frombuffer(sealed, np.uint8)
-        if src.nbytes < TAG_BYTES:
+        size = src.nbytes - self.tag_bytes
+        if size < 0:
             raise SealError(f"a sealed part of {src.nbytes} bytes")
-        out = np.empty(max(1, src.nbytes - TAG_BYTES), np.uint8)  # (never empty: ctypes needs an address)
+        if out is None:
+            out = np.empty(max(1, size), np.uint8)  # (never empty: ctypes needs an address)
+        elif out.nbytes != size or not out.flags.c_contiguous:
+            raise SealError(f"{size} bytes sealed for a place of {out.nbytes}")
         length = ctypes.c_ulonglong()
         if self._decrypt(out.ctypes.data, ctypes.byref(length), None, src.ctypes.data, src.nbytes, ad, len(ad),
                          nonce, key) != 0:
             raise SealError("it does not open under the run's key (forged, altered, or not for this host)")
-        return out[:src.nbytes - TAG_BYTES]
+        return out[:size]
 
 
 def best_cipher() -> Cipher | None:
-    """AES-256-GCM where the CPU has AES instructions, else ChaCha20-Poly1305; None without libsodium."""
+    """The fastest AEAD this libsodium has here: AEGIS-256 (1.0.19 on), else AES-256-GCM where the CPU has AES
+    instructions, else ChaCha20-Poly1305; None without libsodium."""
     lib = _libsodium()
     if lib is None:
         return None
+    if hasattr(lib, "crypto_aead_aegis256_encrypt"):
+        return Cipher(lib, "aegis256")
     return Cipher(lib, "aes256gcm" if lib.crypto_aead_aes256gcm_is_available() else "chacha20poly1305_ietf")
 
 
-def _nonce(counter: int, part: int) -> bytes:
-    return counter.to_bytes(8, "big") + part.to_bytes(4, "big")
+def keep_freed_buffers() -> None:
+    """Have malloc keep freed large buffers for the next ones (glibc): a chunk sealed or opened in fresh pages
+    faults each one in, which cost as much as the cipher (1 GB/s against 2-3)."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt(-3, 256 << 20)  # M_MMAP_THRESHOLD: chunks come from the heap, not each from its own mmap
+        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: and the heap keeps them once freed
+    except (OSError, AttributeError):  # another libc: buffers as it gives them
+        pass
+
+
+class Sealed:
+    """A message's data, still sealed: opened where it is to go (:meth:`open`), so its bytes are written once."""
+
+    def __init__(self, cipher: Cipher, sealed, ad: bytes, nonce: bytes, key: bytes):
+        self.cipher, self.sealed, self.ad, self.nonce, self.key = cipher, sealed, ad, nonce, key
+        self.nbytes = max(0, len(sealed) - cipher.tag_bytes)
+
+    def open(self, out: np.ndarray | None = None) -> np.ndarray:
+        """The bytes (into ``out``, a contiguous uint8 view of ``nbytes``, if given); :class:`SealError` if they do
+        not open."""
+        return self.cipher.open(self.sealed, self.ad, self.nonce, self.key, out)
+
+
+def _nonce(counter: int, part: int, size: int) -> bytes:
+    return (counter.to_bytes(8, "big") + part.to_bytes(4, "big")).rjust(size, b"\0")
 
 
 class Seals:
@@ -127,13 +161,15 @@ class Seals:
         counter = self._sent[dst] = self._sent.get(dst, 0) + 1
         clear = f"{self.host}\n{counter}".encode()
         key = self._key(self.host, dst)
-        frames = [clear, self.cipher.seal(header, clear, _nonce(counter, 0), key)]
+        size = self.cipher.nonce_bytes
+        frames = [clear, self.cipher.seal(header, clear, _nonce(counter, 0, size), key)]
         if data is not None:
-            frames.append(self.cipher.seal(data, clear, _nonce(counter, 1), key))
+            frames.append(self.cipher.seal(data, clear, _nonce(counter, 1, size), key))
         return frames
 
-    def open(self, frames: list) -> tuple[str, np.ndarray, np.ndarray | None]:
-        """(sender, header, data or None) of a message's frames; :class:`SealError` unless it opens."""
+    def open(self, frames: list) -> tuple[str, np.ndarray, Sealed | None]:
+        """(sender, header, its data still sealed or None) of a message's frames; :class:`SealError` unless the
+        header opens (the data is checked as it is opened)."""
         if len(frames) not in (2, 3):
             raise SealError(f"{len(frames)} frames")
         clear = bytes(frames[0])
@@ -144,9 +180,9 @@ class Seals:
             raise SealError("no sender and counter in clear") from None
         if src == self.host or len(src) > 255:
             raise SealError(f"a message claiming to be from {src[:64]!r}")
-        key = self._key(src, self.host)
-        header = self.cipher.open(frames[1], clear, _nonce(counter, 0), key)
-        data = self.cipher.open(frames[2], clear, _nonce(counter, 1), key) if len(frames) == 3 else None
+        key, size = self._key(src, self.host), self.cipher.nonce_bytes
+        header = self.cipher.open(frames[1], clear, _nonce(counter, 0, size), key)
+        data = Sealed(self.cipher, frames[2], clear, _nonce(counter, 1, size), key) if len(frames) == 3 else None
         if counter <= self._taken.get(src, 0):  # checked once it opened: a forger cannot move a host's counter
             raise SealError(f"message {counter} from {src} replayed")
         self._taken[src] = counter

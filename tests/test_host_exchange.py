@@ -22,8 +22,18 @@ from wire import peers as p
 from wire.schema import Collective, CollOp, ReduceOp
 
 
-def Frame(data: np.ndarray) -> bytearray:  # noqa: N802 - what a link hands over: the bytes, once opened
-    return bytearray(data.tobytes())
+class Frame:
+    """What a link hands over: the bytes, opened where they go (as ``emulator.peer_seal.Sealed``)."""
+
+    def __init__(self, data: np.ndarray):
+        self.bytes = np.frombuffer(data.tobytes(), np.uint8)
+        self.nbytes = self.bytes.nbytes
+
+    def open(self, out: np.ndarray | None = None) -> np.ndarray:
+        if out is None:
+            return self.bytes.copy()
+        out[...] = self.bytes
+        return out
 
 
 def _exchange(hosts: int, me: int, inputs: list[np.ndarray], dtype: str, op: ReduceOp, seq: int = 3) -> Exchange:
@@ -38,7 +48,7 @@ def _exchange(hosts: int, me: int, inputs: list[np.ndarray], dtype: str, op: Red
 def _run(exchanges: list[Exchange], seed: int) -> None:
     """Pass chunks between the exchanges, in a shuffled order, until none is left."""
     rng = random.Random(seed)
-    queue: list[tuple[int, p.PeerChunk, bytearray]] = []
+    queue: list[tuple[int, p.PeerChunk, Frame]] = []
 
     def sender(src: int):
         def send(j: int, msg: p.PeerChunk, data: np.ndarray):

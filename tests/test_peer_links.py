@@ -49,7 +49,7 @@ def test_a_chunk_and_a_beat_arrive_sealed_and_open(ctx):
     a.beat(time.monotonic())
     got = _receive(b, 2)
     assert [type(m) for m, _ in got] == [p.PeerChunk, p.PeerBeat]
-    assert got[0][0].host == "ha" and np.array_equal(np.frombuffer(got[0][1], np.float32), x)
+    assert got[0][0].host == "ha" and np.array_equal(got[0][1].open().view(np.float32), x)
     assert (a.sent_bytes, b.received_bytes, b.refused) == (4000, 4000, 0)
     assert b.silent_for("ha", time.monotonic()) < 1.0
 
