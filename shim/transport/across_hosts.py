@@ -29,7 +29,7 @@ import time
 from shim.rank import client as cl
 from shim.rank.runtime import RUNTIME
 from shim.transport import nccl_debug, stream
-from shim.transport.nccl_errors import nccl_error, watchdog_timeout
+from shim.transport.nccl_errors import nccl_error
 from shim.transport.stream import Pending
 from shim.transport.transports import ArenaTransport, Call, Comm, Transport
 from wire import kernels
@@ -88,10 +88,6 @@ class AcrossHostsTransport(Transport):
 
     def release(self, p: Pending) -> None:
         self.part.release(p)
-
-    def watchdog(self, req: s.Collective, waited_s: float):
-        # the rank in the communicator, not among this host's members
-        return watchdog_timeout(self.comm.rank, self.comm.timeout_s, req, waited_s)
 
 
 def share(comm: Comm, hosts: tuple[str, ...], here: tuple[int, ...], client: cl.DaemonClient,
