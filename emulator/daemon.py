@@ -322,7 +322,7 @@ class Daemon:
                                                    "32-byte run key in hex")
         try:
             self.links.link(msg.peers, bytes.fromhex(msg.key))
-        except (PeerLinksError, ValueError) as e:
+        except (PeerLinksError, ValueError, zmq.ZMQError) as e:  # (ZMQError: an endpoint that is not one)
             raise CommError("ncclInvalidUsage", f"cannot link to the other hosts' daemons: {e}") from None
         self.reply(client, s.Ok(req=msg.req))
 

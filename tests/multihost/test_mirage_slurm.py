@@ -280,6 +280,29 @@ def test_a_killed_host_ends_the_run_naming_it(multihost_ready, tmp_path):
         print(f"killed host: the run ended {took:.1f} s after h2 died")
 
 
+def test_a_host_whose_link_goes_down_mid_collective_is_reported_by_name(multihost_ready, tmp_path):
+    # DDP's gradient all-reduces go host daemon to host daemon; h2's only link to everyone goes down under them
+    with Cluster(2) as c:
+        job = c.popen(["salloc", "-N", "2", "bash", "-c",
+                       _mirage(tmp_path, "--nproc-per-node 2", "--", "python", str(DDP), env="STEPS=1000000")],
+                      env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            session = _training(c, tmp_path)["session"]
+            assert c.on_host("h2", ["ip", "link", "set", "eth0", "down"]).returncode == 0
+            out, err = job.communicate(timeout=60)
+        finally:
+            if job.poll() is None:
+                job.kill()
+        assert job.returncode != 0
+        assert "host h2 was lost" in err and "ranks {2, 3}" in err, err[-4000:]
+        lost = [e for e in _events(_run_dir(tmp_path)) if e["type"] == "host_lost"]
+        assert [(e["host"], e["ranks"]) for e in lost] == [("h2", [2, 3])]
+        deadline = time.monotonic() + 15  # h2's agent, cut off from the head, stops its own after its silence rule
+        while _ours_left(c, session) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _ours_left(c, session) == []
+
+
 def test_exec_on_each_host_then_ctrl_c_on_the_head_stops_every_host(cluster, tmp_path):
     job = cluster.popen(["salloc", "-N", "2", "bash", "-c",
                          _mirage(tmp_path, "--nproc-per-node 2", "--", "python", str(DDP), env="STEPS=1000000")],
