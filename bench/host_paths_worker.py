@@ -1,7 +1,8 @@
 """Runs inside each rank of a multi-host run (bench/host_paths.py): all-reduce inside a host and across hosts.
 
 A ``(hosts, 2)`` mesh, as HSDP or FSDP x TP lay one out: ``tp`` pairs the two
-ranks of a host, ``dp`` joins one rank of every host. For each size, rank 0
+ranks of a host, ``dp`` joins one rank of every host (its all-reduces go host
+daemon to host daemon). For each size, rank 0
 times an all-reduce on both, on emulated nccl/cuda and on gloo/CPU groups over
 the same ranks (gloo's bytes cross the hosts' network as mirage's do), and
 prints one JSON line. With ``HOST_PATHS_VIA_HEAD=1`` the rank forgets its

@@ -20,11 +20,14 @@ def main() -> int:
     p.add_argument("--listen", default="", metavar="ADDR",
                    help="also take ranks over TCP on this address, CURVE-encrypted (multi-host runs)")
     p.add_argument("--curve-secret-file", default="", help="the CURVE secret key for --listen (a 0600 file)")
+    p.add_argument("--peer-listen", default="", metavar="ADDR",
+                   help="a host's daemon in a multi-host run: take the other hosts' daemons' links on this address "
+                        "(CURVE), for communicators across hosts")
     a = p.parse_args()
     with open(a.token_file) as f:
         token = f.read().strip()
     return run(a.run_dir, a.session, token, a.profile, a.nodes, a.gpus_per_node, a.hang_timeout, a.exec_mode,
-               a.listen, a.curve_secret_file)
+               a.listen, a.curve_secret_file, a.peer_listen)
 
 
 if __name__ == "__main__":

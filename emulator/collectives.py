@@ -119,7 +119,7 @@ class Collectives:
         warning = self.stragglers.observe(comm, matched)
         if warning is not None and warning.rank not in self.ranks.debugged:
             self.events.publish(warning)
-        if req.direct:
+        if req.direct or req.transport is s.Transport.HOSTS:  # the data moved elsewhere: only the books here
             return self.book_direct(comm, req, matched)
         try:
             job = make_job(comm, matched, self.arena, self.payloads.take, self.buffers.view)
@@ -130,8 +130,8 @@ class Collectives:
         self.events.publish(s.CollectiveStarted(comm=comm.comm, seq=req.seq, op=req.op, total_bytes=job.total_bytes))
 
     def book_direct(self, comm: Communicator, req: s.Collective, matched: list[Posted]) -> None:
-        """A collective done rank to rank, matched: the ranks moved the data themselves, so only the books
-        to keep (the sequence, its events) and nobody to answer."""
+        """A collective done rank to rank, or host daemon to host daemon across hosts, matched: its data moved
+        without this daemon, so only the books to keep (the sequence, its events) and nobody to answer."""
         self.ledger.complete(comm, req.seq)
         nbytes = 0 if req.op is s.CollOp.BARRIER else req.numel * itemsize(req.dtype)
         self.events.publish(s.CollectiveStarted(comm=comm.comm, seq=req.seq, op=req.op, total_bytes=nbytes))

@@ -15,6 +15,10 @@ must carry the session token; anything malformed gets an ``Error`` reply and a
 (``--listen ADDR``) also takes ranks over TCP on that one address, encrypted
 with CURVE (:func:`listen_tcp`); the daemon then checks only its own host's
 processes, and hears of another host's from the session (``RankExited``).
+A host's daemon in such a run (``--peer-listen ADDR``) also links to the
+other hosts' daemons (:mod:`emulator.peer_links`), with which it runs the
+data of communicators across hosts, its own members' share
+(:mod:`emulator.across_hosts`), while the head's daemon keeps their books.
 
 The daemon is the server: sockets, loop, one small handler per request. Each
 concern it serves is an object it owns: the collectives
@@ -38,6 +42,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import zmq
 
+from emulator.across_hosts import AcrossHosts
 from emulator.collective_clock import CollectiveClock
 from emulator.collectives import Collectives
 from emulator.events import EventPublisher
@@ -46,6 +51,7 @@ from emulator.hang import HangDetector
 from emulator.ledger import CommError, Worlds
 from emulator.lifetime import die_with_parent, orphaned, stop_orphans
 from emulator.payloads import Payload, from_frames
+from emulator.peer_links import PeerLinks, PeerLinksError
 from emulator.ranks import RankProcesses
 from wire import schema as s
 from wire.arena import ArenaError
@@ -102,7 +108,7 @@ class Daemon:
 
     def __init__(self, run_dir: str, session: str, token: str, profile: str, nodes: int, gpus_per_node: int,
                  hang_timeout_s: float = 30.0, exec_mode: str = "functional", listen: str = "",
-                 secret_key_file: str = ""):
+                 secret_key_file: str = "", peer_listen: str = ""):
         self.session = session
         self.token = token
         self._token_bytes = token.encode()
@@ -131,6 +137,16 @@ class Daemon:
         self.collectives = Collectives(session, gpus_per_node, clock, self.events, self.reply, self.ranks)
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
+        # a host's daemon in a multi-host run: links to the other hosts' daemons, for communicators across hosts
+        self.links = None
+        if peer_listen:
+            try:
+                self.links = PeerLinks(self.ctx, socket.gethostname(), token, peer_listen)
+            except PeerLinksError as e:  # its ranks' groups across hosts then fail when made, saying why
+                print(f"mirage daemon: no links to other hosts' daemons: {e}", file=sys.stderr, flush=True)
+        if self.links is not None:
+            self.poller.register(self.links.router, zmq.POLLIN)
+        self.across = AcrossHosts(self.links, self.collectives.arena, self.collectives.buffers.view, self.reply)
         # ranks' requests without data frames, one datagram each (see emulator/fast_socket.py)
         self.fast = FastSocketServer(run_dir, self.poller, on_request=self.handle,
                                      on_refuse=lambda client, why: self.refuse(client, 0, why),
@@ -220,6 +236,8 @@ class Daemon:
 
     def _collective(self, client: bytes, msg: s.Collective, fds: Sequence[int], payload: Payload | None) -> None:
         """A collective or a point-to-point half, posted to the ledger; answered when it completes."""
+        if self.across.owns(msg.comm):  # this host's share of a communicator across hosts
+            return self.across.post(client, msg)
         if msg.op is s.CollOp.SEND or msg.op is s.CollOp.RECV:
             self.collectives.post_p2p(client, msg, payload)
         else:
@@ -282,6 +300,9 @@ class Daemon:
         """A rank joins a communicator."""
         if not 1 <= msg.size <= MAX_COMM_SIZE:  # the ledger and the hang scan walk every rank
             raise CommError("ncclInvalidArgument", f"communicator size {msg.size} is outside 1..{MAX_COMM_SIZE}")
+        if msg.hosts:  # this host's share of a communicator across hosts: the head's daemon publishes its joins
+            self.across.join(msg)
+            return self.reply(client, s.Ok(req=msg.req))
         self.collectives.ledger.join(msg)
         self.reply(client, s.Ok(req=msg.req))
         self.events.publish(
@@ -290,6 +311,20 @@ class Daemon:
                 transport=msg.transport, name=msg.name, desc=msg.desc,
             )
         )
+
+    def _peer_directory(self, client: bytes, msg: s.PeerDirectory, fds: Sequence[int],
+                        payload: Payload | None) -> None:
+        """This host's agent says where the other hosts' daemons are: link to them."""
+        if self.links is None:
+            raise CommError("ncclInvalidUsage", "this daemon takes no peer links (it was started without --peer-listen)")
+        if any(not isinstance(v, list) or len(v) != 2 for v in msg.peers.values()) or len(msg.key) != 64:
+            raise CommError("ncclInvalidArgument", "a peer directory maps hosts to [endpoint, cipher], with a "
+                                                   "32-byte run key in hex")
+        try:
+            self.links.link(msg.peers, bytes.fromhex(msg.key))
+        except (PeerLinksError, ValueError, zmq.ZMQError) as e:  # (ZMQError: an endpoint that is not one)
+            raise CommError("ncclInvalidUsage", f"cannot link to the other hosts' daemons: {e}") from None
+        self.reply(client, s.Ok(req=msg.req))
 
     def _register_buffer(self, client: bytes, msg: s.RegisterBuffer, fds: Sequence[int],
                          payload: Payload | None) -> None:
@@ -315,9 +350,11 @@ class Daemon:
 
     def publish_ready(self) -> None:
         """``daemon_ready``: this daemon's pid and what it emulates."""
+        links = self.links
         self.events.publish(
             s.DaemonReady(pid=os.getpid(), profile=self.profile, nodes=self.nodes, gpus_per_node=self.gpus_per_node,
-                          exec_mode=self.exec_mode)
+                          exec_mode=self.exec_mode, peer_endpoint=links.endpoint if links else "",
+                          peer_cipher=links.cipher.name if links else "")
         )
 
     def rank_gone(self, rank: int, how: str) -> None:
@@ -341,22 +378,33 @@ class Daemon:
         self.publish_ready()
         while self.running:
             # queued events wake the loop up to go out even if nothing else happens
-            wait_s = 0.0 if self.collectives.busy else self.events.wait_s(PEER_CHECK_INTERVAL_S)
+            across = self.across
+            wait_s = 0.0 if self.collectives.busy or across.busy else self.events.wait_s(PEER_CHECK_INTERVAL_S)
             ready = dict(self.poller.poll(wait_s * 1000))
+            links = self.links
             for sock, flags in ready.items():
-                if sock is not self.router:
+                if sock is not self.router and (links is None or sock is not links.router):
                     self.fast.ready(sock, flags)
             if self.router in ready:
                 self.read_router()
+            if links is not None and links.router in ready:
+                for msg, data in links.receive():
+                    across.on_peer(msg, data)
+            if across.busy:
+                across.advance()
             if self.collectives.busy:
                 self.collectives.run_wave()
             now = time.monotonic()
+            if links is not None:
+                links.beat(now)
             if now >= next_peer_check:  # often: the first rank to go is the one to name
                 next_peer_check = now + PEER_CHECK_INTERVAL_S
                 self.check_peers()
             if now >= next_scan:  # cheap, but not on every busy iteration
                 next_scan = now + HANG_SCAN_INTERVAL_S
                 self.scan_hangs(now)
+                if links is not None:
+                    across.check(now)
             self.events.flush(force=False)
             if orphaned(parent):
                 break  # the session is gone: nobody is left to serve
@@ -394,6 +442,8 @@ class Daemon:
         self.events.close()
         self.collectives.close()
         self.fast.close()
+        if self.links is not None:
+            self.links.close()
         self.router.close(0)
         self.ctx.term()
 
@@ -410,18 +460,20 @@ _HANDLERS: dict[type[s.Request], Callable[[Daemon, bytes, s.Request, Sequence[in
     s.StepReport: Daemon._step_report,
     s.MemoryReport: Daemon._memory_report,
     s.CommInit: Daemon._comm_init,
+    s.PeerDirectory: Daemon._peer_directory,
     s.RegisterBuffer: Daemon._register_buffer,
     s.ReleaseBuffers: Daemon._release_buffers,
 }
 
 
 def run(run_dir: str, session: str, token: str, profile: str, nodes: int, gpus_per_node: int,
-        hang_timeout_s: float, exec_mode: str = "functional", listen: str = "", secret_key_file: str = "") -> int:
+        hang_timeout_s: float, exec_mode: str = "functional", listen: str = "", secret_key_file: str = "",
+        peer_listen: str = "") -> int:
     """Entry point used by ``python -m emulator``."""
     parent = os.getppid()
     die_with_parent()
     daemon = Daemon(run_dir, session, token, profile, nodes, gpus_per_node, hang_timeout_s, exec_mode, listen,
-                    secret_key_file)
+                    secret_key_file, peer_listen)
 
     def stop(signum, frame):
         daemon.running = False
@@ -436,6 +488,10 @@ def run(run_dir: str, session: str, token: str, profile: str, nodes: int, gpus_p
             daemon.stop_orphans()
         daemon.close()
         usage = resource.getrusage(resource.RUSAGE_SELF)
-        # read by bench/allreduce_perf.py: what the collectives cost the daemon
-        print(f"mirage daemon exiting; cpu seconds: {usage.ru_utime + usage.ru_stime:.3f}", file=sys.stderr, flush=True)
+        # read by bench/allreduce_perf.py: what the collectives cost the daemon; by the multihost tests: which
+        # data came through the socket transport (ranks' bytes), and which went to and from other hosts' daemons
+        links = daemon.links
+        print(f"mirage daemon exiting; cpu seconds: {usage.ru_utime + usage.ru_stime:.3f}; socket payload bytes "
+              f"received: {daemon.collectives.payloads.received}; peer bytes sent: {links.sent_bytes if links else 0}, "
+              f"received: {links.received_bytes if links else 0}", file=sys.stderr, flush=True)
     return 0

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from wire.profiles import bus_id
-from wire.schema import Collective, CollOp, CommInit, WorldFormation, WorldPhase
+from wire.schema import Collective, CollOp, CommInit, Transport, WorldFormation, WorldPhase
 
 
 class CommError(Exception):
@@ -174,6 +174,12 @@ class Ledger:
                 same = same and r.reduce_op == first.reduce_op
             if r.op in (CollOp.BROADCAST, CollOp.REDUCE, CollOp.GATHER, CollOp.SCATTER):
                 same = same and r.root == first.root
+            if same and (r.transport is Transport.HOSTS) != (first.transport is Transport.HOSTS):
+                raise CommError(
+                    "ncclInvalidUsage",
+                    f"Rank {first.rank} and rank {r.rank} disagree on whether collective #{r.seq} goes host daemon "
+                    "to host daemon: run every host with the same mirage and settings",
+                )
             if same and r.direct != first.direct:
                 raise CommError(
                     "ncclInvalidUsage",

@@ -48,6 +48,7 @@ class SocketPayloads:
 
     def __init__(self) -> None:
         self._held: dict[str, dict[tuple[bytes, int], Payload]] = {}
+        self.received = 0  # bytes taken so far: daemon.log's last line says how much data came through here
 
     def hold(self, client: bytes, req: s.Collective, payload: Payload | None, comms: dict[str, Communicator]) -> None:
         """Keep a socket-transport rank's bytes for its job; raise ``CommError`` unless they match its shape.
@@ -68,6 +69,7 @@ class SocketPayloads:
                 f"rank {req.rank} sent {got} bytes of data frames with {req.op.value} #{req.seq} of "
                 f"{req.numel} x {req.dtype}, which needs {want}",
             )
+        self.received += got
         if payload is not None:
             self._held.setdefault(req.comm, {})[(client, req.req)] = payload
 

@@ -26,7 +26,7 @@ __all__ = [
     "STACK_SIGNAL", "SchemaError", "ReduceOp", "CollOp", "Transport", "DIRECT_OPS", "Stream", "Message",
     "Request", "Ping", "Hello", "CommInit", "WorldPhase", "WorldFormation", "MemoryReport", "Collective",
     "StepReport", "ClockedStep",
-    "RegisterBuffer", "ReleaseBuffers", "Reply", "Ok", "Error", "Done", "Event", "DaemonReady",
+    "RegisterBuffer", "ReleaseBuffers", "PeerDirectory", "Reply", "Ok", "Error", "Done", "Event", "DaemonReady",
     "RankRegistered", "RankGone", "MemoryUsage", "CommJoined", "CollectiveEnqueued", "CollectiveStarted",
     "CollectiveProgress", "CollectiveCompleted", "CommFailed", "HangKind", "WorldStage", "HangDetected",
     "StragglerWarning", "HangReport", "ProtocolError", "OutputLine", "ProcessExited", "SessionEnded",
@@ -82,6 +82,9 @@ class Transport(str, Enum):
     SHM = "shm"  # the rank's shared-memory arena (RCCL's P2P/SHM transports)
     SOCKET = "socket"  # ZeroMQ frames after the request and after its Done (RCCL's NET/Socket)
     SHAPES = "shapes"  # estimate mode: no data at all; matched, booked and timed by its shape alone
+    # a communicator across hosts (multi-host runs): the data goes host daemon to host daemon
+    # (``wire.peers``); the head's daemon matches, checks and publishes it, and answers only with an error
+    HOSTS = "hosts"
 
 
 #: Collectives small enough may go rank to rank (``Collective.direct``): their output is every
@@ -160,6 +163,20 @@ class CommInit(Request):
     # hash of the ranks) and ``group_desc`` ("default_pg", "mesh_tp", a new_group's group_desc, "undefined")
     name: str = ""
     desc: str = ""
+    # a host daemon's share of a communicator across hosts: the hosts of its members (hostnames, in the
+    # order of each one's first rank); ``rank`` and ``size`` then count the members on this host only
+    hosts: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PeerDirectory(Request):
+    """A host's agent tells its daemon where the other hosts' daemons take peer links: host -> [endpoint,
+    cipher], and the run key their links are sealed with, in hex (multi-host runs; both came from the head over
+    the agents' CURVE bus)."""
+
+    TYPE: ClassVar[str] = "peer_directory"
+    peers: dict[str, list[str]] = field(default_factory=dict)
+    key: str = ""
 
 
 class WorldPhase(str, Enum):
@@ -339,6 +356,9 @@ class DaemonReady(Event):
     nodes: int = 1
     gpus_per_node: int = 1
     exec_mode: str = "functional"  # or "clocked": the run keeps emulated time
+    # a host daemon's peer links (multi-host runs): where other hosts' daemons connect, and the cipher it seals with
+    peer_endpoint: str = ""
+    peer_cipher: str = ""
 
 
 @dataclass(frozen=True)

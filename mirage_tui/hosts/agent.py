@@ -47,6 +47,8 @@ HOST_TAG = ap.HOST_TAG
 TRACE_PART_CHARS = 4 << 20
 #: At the end, the host daemon's events are forwarded until it has been quiet this long.
 EVENTS_DRAIN_S = 0.1
+#: How long this host's daemon has to take the other hosts' peer endpoints.
+LINK_TIMEOUT_S = 5.0
 
 
 class Agent:
@@ -97,8 +99,9 @@ class Agent:
         with os.fdopen(fd, "w") as f:
             f.write(self.token)
         env = dict(os.environ, MIRAGE_SESSION=self.session, **{HOST_TAG: self.host})
+        # --peer-listen: it links to the other hosts' daemons on this host's interface, for communicators across hosts
         self.daemon = start_daemon(self.ctx, self.run_dir, self.session, self.token, self.token_file, self.settings,
-                                   env, os.path.join(self.run_dir, "daemon.log"))
+                                   env, os.path.join(self.run_dir, "daemon.log"), ["--peer-listen", self.address])
 
     def serve(self) -> int:
         """Run until Done (0), until the session goes silent (1), or until signalled (143)."""
@@ -111,8 +114,10 @@ class Agent:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.daemon.events, zmq.POLLIN)
+        ready = self.daemon.ready
         self.send(ap.AgentHello(token=self.token, host=self.host, address=self.address, slurm_node=self.slurm_node,
-                                pid=os.getpid(), master_port=free_port(self.address)))
+                                pid=os.getpid(), master_port=free_port(self.address),
+                                peer_endpoint=ready.peer_endpoint, peer_cipher=ready.peer_cipher))
         beat = 0.0
         code = 0
         try:
@@ -161,6 +166,8 @@ class Agent:
     def handle(self, msg: ap.AgentMessage) -> None:
         if isinstance(msg, ap.Launch):
             self.launch(msg)
+        elif isinstance(msg, ap.Peers):
+            self.link_daemon(msg.hosts, msg.key)
         elif isinstance(msg, ap.Watch):
             self.watched[msg.rank] = msg.pid
         elif isinstance(msg, ap.Kill):
@@ -173,6 +180,25 @@ class Agent:
             stacks = diagnosis.dump_stacks(pids, self.ranks_dir, self.session)
             self.send(ap.Stacks(req=msg.req, ranks={
                 str(r): [diagnosis.process_status(pid), stacks.get(r, "")] for r, pid in pids.items()}))
+
+    def link_daemon(self, hosts: dict[str, list[str]], key: str) -> None:
+        """Hand this host's daemon the other hosts' daemons' peer endpoints and the run key that seals their links
+        (they came over the CURVE bus from the head, so a daemon links only to the run's own). Done before any
+        rank starts: Peers precedes Launch. A daemon that cannot link says so in the first node's log; its ranks' groups across hosts then
+        fail when made, naming the hosts."""
+        dealer = self.ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(endpoints(self.run_dir)[0])
+        try:
+            dealer.send(s.encode(s.PeerDirectory(peers=hosts, key=key), token=self.token))
+            reply = s.decode(dealer.recv()) if dealer.poll(LINK_TIMEOUT_S * 1000) else None
+        finally:
+            dealer.close(0)
+        if not isinstance(reply, s.Ok):
+            why = reply.message if isinstance(reply, s.Error) else f"no answer within {LINK_TIMEOUT_S:.0f} s"
+            node = min((p.node for p in self.launched), default=0)
+            self.lines.put(s.OutputLine(node=node, stream=s.Stream.STDERR, text=(
+                f"mirage node {self.host}: this host's daemon could not link to the other hosts' daemons: {why}")))
 
     def forward_events(self) -> None:
         """Send the session what this host's daemon published (the head records them as its own daemon's)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import os
 import queue
+import secrets
 import signal
 import subprocess
 import sys
@@ -154,6 +155,11 @@ class Hosts:
                                  f"{HELLO_TIMEOUT_S:.0f} s; see {log_path}")
             if self.sock.poll(100):
                 self._receive()
+        # every host's daemon learns where the others take peer links (before any Launch: same pipe, in order)
+        peers = ap.Peers(hosts={a.host: [a.hello.peer_endpoint, a.hello.peer_cipher] for a in self.agents.values()
+                                if a.hello.peer_endpoint}, key=secrets.token_hex(32))
+        for agent in self.agents.values():
+            self.sock.send_multipart([agent.identity, ap.encode(peers)])
         self._thread.start()
         return sorted(self.agents.values(), key=lambda a: a.hello.slurm_node)
 

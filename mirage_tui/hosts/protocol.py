@@ -48,7 +48,8 @@ class AgentMessage(s.Message):
 @dataclass(frozen=True)
 class AgentHello(AgentMessage):
     """An agent is up on ``host`` (Slurm's node ``slurm_node``); ``address`` is its interface's address,
-    ``master_port`` a free port there (torchrun's rendezvous when it hosts node 0)."""
+    ``master_port`` a free port there (torchrun's rendezvous when it hosts node 0); ``peer_endpoint`` and
+    ``peer_cipher`` are where its daemon takes the other hosts' daemons' links, and the cipher it seals them with."""
 
     TYPE: ClassVar[str] = "hello"
     token: str = ""
@@ -57,6 +58,8 @@ class AgentHello(AgentMessage):
     slurm_node: int = 0
     pid: int = 0
     master_port: int = 0
+    peer_endpoint: str = ""
+    peer_cipher: str = ""
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,17 @@ class Process:
     node: int
     rank: int | None
     env: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Peers(AgentMessage):
+    """Where every host's daemon takes peer links: host -> [endpoint, cipher], and the run key (hex) their links
+    are sealed with (``emulator.peer_seal``), drawn by the head for this run. Sent once every agent said hello,
+    before any :class:`Launch`, so that a communicator across hosts finds its daemons linked."""
+
+    TYPE: ClassVar[str] = "peers"
+    hosts: dict[str, list[str]] = field(default_factory=dict)
+    key: str = ""
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from shim.comm.call_forms import c10d_forms
 from shim.cuda import graphs
 from shim.rank.runtime import RUNTIME
 from shim.transport import profiler as prof
-from shim.transport import stream
+from shim.transport import across_hosts, stream
 from shim.rank.call_site import call_site
 from shim.transport.nccl_errors import nccl_error
 from shim.transport.stream import P2PWork, Pending
@@ -90,23 +90,26 @@ class MirageProcessGroup(dist.ProcessGroup):
         chosen = route(store, self._comm.id, rank, size, host)
         self._comm.client = client = chosen.client
         path = chosen.path
-        self._paths = Paths(self._comm, path)
-        reply = client.request(
-            s.CommInit(
-                comm=self._comm.id,
-                rank=rank,
-                size=size,
-                # not $RANK: mp.spawn children all inherit their parent's
-                global_rank=rank if self._is_default else dist.get_rank(),
-                node=RUNTIME.settings.node_rank,
-                host=host,
-                transport=path,
-                name=creating.name[:MAX_DESC_CHARS],
-                desc=creating.desc[:MAX_DESC_CHARS],
-            )
+        init = s.CommInit(
+            comm=self._comm.id,
+            rank=rank,
+            size=size,
+            # not $RANK: mp.spawn children all inherit their parent's
+            global_rank=rank if self._is_default else dist.get_rank(),
+            node=RUNTIME.settings.node_rank,
+            host=host,
+            transport=path,
+            name=creating.name[:MAX_DESC_CHARS],
+            desc=creating.desc[:MAX_DESC_CHARS],
         )
+        reply = client.request(init)
         if isinstance(reply, s.Error):
             raise nccl_error(reply.code, reply.message, RUNTIME.device.current)
+        # members on several hosts: this host's daemon may carry its all-reduces' data, the head's keeps the books
+        across = None
+        if chosen.hosts:
+            across = across_hosts.share(self._comm, chosen.hosts, chosen.here, RUNTIME.host_client(), init)
+        self._paths = Paths(self._comm, path, across)
 
     # -- identity (functional collectives, DTensor and FSDP2 look groups up by name)
     def getBackendName(self) -> str:

@@ -43,6 +43,7 @@ class Pending:
         self.targets = getattr(deliver, "targets", [])  # what later collectives must not read before delivery
         self.done = False
         self.ring = 0  # rank to rank: its index in the communicator's rings
+        self.books = 0  # across hosts: the id of its request to the head's daemon (answered only with an error)
         self.t_end = 0.0  # clocked mode: when it ends in emulated time (the daemon's answer)
 
     def ready(self) -> bool:

@@ -18,6 +18,9 @@ carries the transport, which later completes it (``shim/transport/stream.py``).
   memory, rank to rank through the ranks' own rings (``shim/transport/direct.py``); the
   daemon, told afterwards, only keeps the books.
 - :class:`InProcessTransport` — ``--in-process``: one rank, no daemon.
+- ``AcrossHostsTransport`` (``shim/transport/across_hosts.py``) — a communicator across hosts (``--launcher
+  slurm``): its all-reduces go through this host's daemon over shared memory, host daemon to host daemon
+  between hosts; the head's daemon keeps the books.
 - ``ShapesTransport`` (``shim/transport/shapes.py``) — estimate mode: tensors without values, the request
   alone.
 
@@ -206,6 +209,11 @@ class ArenaTransport(Transport):
     or works in the rank's own tensor (zero-copy)."""
 
     def post(self, call: Call) -> Pending:
+        return stream.append(self.staged(call, self))
+
+    def staged(self, call: Call, owner: Transport) -> Pending:
+        """Stage ``call`` (or lend its tensor) and send its request to this transport's daemon; the pending
+        collective is ``owner``'s to complete: this transport, or one that posts through it."""
         client = self.comm.client
         esize = call.dtype.itemsize
         staged_numel = call.staged_numel
@@ -240,12 +248,12 @@ class ArenaTransport(Transport):
         req = client.send(request)
         if slot >= 0:
             RUNTIME.staging.busy.add(slot)
-        pending = Pending(self, request, req, slot, staged, out_view, deliver, call.device, time.monotonic())
+        pending = Pending(owner, request, req, slot, staged, out_view, deliver, call.device, time.monotonic())
         if zc is not None:
             # nothing to deliver, but later collectives touching the tensor wait for this one
             # (it is written while this runs), and the tensor stays alive until then
             pending.targets = [staged]
-        return stream.append(pending)
+        return pending
 
     def complete(self, p: Pending) -> None:
         self.reply(p)
@@ -425,6 +433,10 @@ class Route:
 
     path: str  # "shm" or "socket"
     client: cl.DaemonClient
+    # members on several hosts (a multi-host run): their hosts, in the order of each one's first rank, and the
+    # communicator's ranks on this host; else empty
+    hosts: tuple[str, ...] = ()
+    here: tuple[int, ...] = ()
 
 
 def route(store: dist.Store, comm: str, rank: int, size: int, node: str) -> Route:
@@ -435,9 +447,12 @@ def route(store: dist.Store, comm: str, rank: int, size: int, node: str) -> Rout
     when the daemon is on another host (reached over TCP: no memory to share
     with it); else ``"shm"``. In a multi-host run, a communicator whose members
     all run on this host is served by this host's daemon (``RUNTIME.host_client``),
-    as on one machine; one across hosts by the head's, over the socket. Only a
-    multi-node run has to ask where the members are: each rank writes its node
-    and host to the store and reads everyone's, as NCCL's bootstrap all-gathers them.
+    as on one machine; one across hosts by the head's, over the socket, and the
+    route then names the hosts and this host's members (the head's daemon may
+    keep only the books while the hosts' daemons carry the data:
+    ``shim/transport/across_hosts.py``). Only a multi-node run has to ask where
+    the members are: each rank writes its node and host to the store and reads
+    everyone's, as NCCL's bootstrap all-gathers them.
     """
     head, here = RUNTIME.client(), RUNTIME.host_client()
     over_tcp = not (RUNTIME.settings.endpoint or "ipc://").startswith("ipc://")
@@ -447,9 +462,13 @@ def route(store: dist.Store, comm: str, rank: int, size: int, node: str) -> Rout
     store.set(f"mirage_host/{comm}/{rank}", f"{node}\n{socket.gethostname()}")
     members = [v.decode().split("\n") for v in store.multi_get([f"mirage_host/{comm}/{r}" for r in range(size)])]
     one_node = all(n == node for n, _ in members) and not nccl_debug.net_only()
-    if here is not None and all(h == socket.gethostname() for _, h in members):
+    me = socket.gethostname()
+    if here is not None and all(h == me for _, h in members):
         return Route("shm" if one_node else "socket", here)
-    return Route("shm" if one_node and not over_tcp else "socket", head)
+    if here is None:
+        return Route("shm" if one_node and not over_tcp else "socket", head)
+    hosts = tuple(dict.fromkeys(h for _, h in members))
+    return Route("socket", head, hosts, tuple(r for r, (_, h) in enumerate(members) if h == me))
 
 
 @atexit.register

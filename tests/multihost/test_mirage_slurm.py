@@ -26,6 +26,7 @@ VENV_BIN = Path(sys.executable).parent
 DDP = REPO / "tests" / "fixtures" / "ml" / "ddp_mlp.py"
 FSDP_TP = REPO / "tests" / "fixtures" / "ml" / "fsdp_tp_2d.py"
 SUBGROUP_HANG = REPO / "tests" / "fixtures" / "ml" / "subgroup_hang.py"
+XHOST = REPO / "tests" / "fixtures" / "ml" / "xhost_allreduce.py"
 # pytorch/examples' FSDP x TP program, unmodified (it asks for 4 GPUs on the machine it runs on)
 FSDP_TP_EXAMPLE = REPO / "tests" / "fixtures" / "frameworks" / "examples" / "tensor_parallelism" / "fsdp_tp_example.py"
 ENV = {"PATH": f"{VENV_BIN}:{os.environ.get('PATH', '')}"}
@@ -74,6 +75,14 @@ def _ours_left(c: Cluster, session: str) -> list[str]:
     return left
 
 
+def _daemon_bytes(log: Path) -> tuple[int, int, int]:
+    """A daemon's data, from its log's last line: socket-transport bytes received from ranks, peer bytes sent to and
+    received from other hosts' daemons."""
+    m = re.search(r"socket payload bytes received: (\d+); peer bytes sent: (\d+), received: (\d+)", log.read_text())
+    assert m, log.read_text()[-2000:]
+    return int(m[1]), int(m[2]), int(m[3])
+
+
 def _cmdline(pid: int) -> bytes:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -111,12 +120,44 @@ def test_ddp_over_two_hosts_matches_gloo(cluster, tmp_path, gloo_loss):
     assert hosts == {0: "h1", 1: "h1", 2: "h2", 3: "h2"}
     transports = {e["transport"] for e in events if e["type"] == "comm_joined"}
     assert transports == {"socket"}  # NET/Socket to the head's daemon, over TCP
+    # its gradients' all-reduces went host daemon to host daemon, the head's daemon keeping the books
+    across = {(e["op"], e["transport"]) for e in events if e["type"] == "coll_enqueued" and e["transport"] == "hosts"}
+    assert across == {("allreduce", "hosts")}
     session = json.loads((run / "session.json").read_text())["session"]
     for rank, host in hosts.items():
         assert "training on cuda" in (run / f"rank-{rank}.log").read_text()
         # each host keeps its ranks' own files too
         assert Path(f"/tmp/mirage-{os.getuid()}/agent-{session}-{host}/ranks/rank-{rank}.stdout").exists()
     assert not (run / "curve.secret").exists() and not (run / "token").exists()
+    assert _ours_left(cluster, session) == []
+
+
+def test_all_reduces_across_hosts_go_host_daemon_to_host_daemon(cluster, tmp_path):
+    # the world (2 ranks per host) and a pair of ranks on different hosts, results checked against gloo's
+    r = cluster.salloc(_mirage(tmp_path, "--nproc-per-node 2", "--", "python", str(XHOST)), nodes=2, timeout=300,
+                       env=ENV)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-6000:]
+    assert "xhost_allreduce_ok" in out and out.count("all-reduces equal gloo's") == 4, out[-6000:]
+    run = _run_dir(tmp_path)
+    events = _events(run)
+    per_rank = 41  # the fixture's all-reduces on each group
+    comms = {}
+    for e in events:
+        if e["type"] == "coll_enqueued" and e["transport"] == "hosts":
+            assert e["op"] == "allreduce"
+            comms.setdefault(e["comm"], []).append(e["rank"])
+    assert sorted(sorted(ranks) for ranks in comms.values()) == [
+        sorted([0, 1] * per_rank), sorted([0, 1, 2, 3] * per_rank)], comms.keys()
+    # the head's daemon kept the books of every one of them (each completed once, for all its ranks)...
+    completed = {(e["comm"], e["seq"]) for e in events if e["type"] == "coll_completed" and e["comm"] in comms}
+    assert len(completed) >= 2 * per_rank
+    # ...and carried none of their bytes: its ranks sent it no data at all (the groups' first collectives are barriers)
+    assert _daemon_bytes(run / "daemon.log") == (0, 0, 0)
+    session = json.loads((run / "session.json").read_text())["session"]
+    logs = {h: Path(f"/tmp/mirage-{os.getuid()}/agent-{session}-{h}/daemon.log") for h in ("h1", "h2")}
+    (_, sent1, got1), (_, sent2, got2) = _daemon_bytes(logs["h1"]), _daemon_bytes(logs["h2"])
+    assert sent1 > 0 and sent1 == got2 and sent2 == got1, (sent1, got1, sent2, got2)  # what one sent, the other got
     assert _ours_left(cluster, session) == []
 
 
@@ -237,6 +278,29 @@ def test_a_killed_host_ends_the_run_naming_it(multihost_ready, tmp_path):
             assert Path(f"/tmp/mirage-{os.getuid()}/agent-{session}-h1/ranks/rank-{rank}.stdout").exists()
             assert "training on cuda" in (run / f"rank-{rank}.log").read_text()
         print(f"killed host: the run ended {took:.1f} s after h2 died")
+
+
+def test_a_host_whose_link_goes_down_mid_collective_is_reported_by_name(multihost_ready, tmp_path):
+    # DDP's gradient all-reduces go host daemon to host daemon; h2's only link to everyone goes down under them
+    with Cluster(2) as c:
+        job = c.popen(["salloc", "-N", "2", "bash", "-c",
+                       _mirage(tmp_path, "--nproc-per-node 2", "--", "python", str(DDP), env="STEPS=1000000")],
+                      env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            session = _training(c, tmp_path)["session"]
+            assert c.on_host("h2", ["ip", "link", "set", "eth0", "down"]).returncode == 0
+            out, err = job.communicate(timeout=60)
+        finally:
+            if job.poll() is None:
+                job.kill()
+        assert job.returncode != 0
+        assert "host h2 was lost" in err and "ranks {2, 3}" in err, err[-4000:]
+        lost = [e for e in _events(_run_dir(tmp_path)) if e["type"] == "host_lost"]
+        assert [(e["host"], e["ranks"]) for e in lost] == [("h2", [2, 3])]
+        deadline = time.monotonic() + 15  # h2's agent, cut off from the head, stops its own after its silence rule
+        while _ours_left(c, session) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _ours_left(c, session) == []
 
 
 def test_exec_on_each_host_then_ctrl_c_on_the_head_stops_every_host(cluster, tmp_path):

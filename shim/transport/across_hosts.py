@@ -1,0 +1,107 @@
+"""A communicator across hosts: its all-reduces go host daemon to host daemon, the head keeping the books.
+
+In a multi-host run a communicator whose members span hosts is the head's
+daemon's (``transports.route``): its books — every rank's arrival, sequence
+and shape, the hang and desync checks, the events every reader folds — are
+kept there. Its all-reduces' bytes need not go there: as RCCL reduces inside a
+node and crosses the network between nodes, :class:`AcrossHostsTransport`
+hands each one to this host's daemon over shared memory (staged in the rank's
+arena, or its own tensor lent: :class:`~shim.transport.transports.ArenaTransport`,
+as a communicator inside the host), whose share of the communicator holds this
+host's members only; the host daemons reduce their members and exchange the
+segments among themselves (``emulator/across_hosts.py``). The head's daemon
+gets the same request without data (``Transport.HOSTS``): it matches it with
+the other ranks' and publishes it, and answers only when something is wrong —
+a hang, a desync, a dead peer — which the rank watches for while it waits.
+
+Only what every rank decides alike takes this path (so both daemons' orders
+agree): all-reduces of a dtype the kernels reduce, with a reduction that splits
+across hosts, never a communicator's first collective (which connects it: its
+devices are checked and ``NCCL_DEBUG`` prints its rings from the head's answer),
+in functional mode (clocked time needs every rank's readiness, which only the
+head's daemon has). The rest goes the communicator's own way, to the head's daemon.
+"""
+
+from __future__ import annotations
+
+import time
+
+from shim.rank import client as cl
+from shim.rank.runtime import RUNTIME
+from shim.transport import nccl_debug, stream
+from shim.transport.nccl_errors import nccl_error
+from shim.transport.stream import Pending
+from shim.transport.transports import ArenaTransport, Call, Comm, Transport
+from wire import kernels
+from wire import schema as s
+
+#: Reductions the host daemons split (an average would divide on every host): ``emulator/across_hosts.py``.
+REDUCE_OPS = (s.ReduceOp.SUM, s.ReduceOp.PRODUCT, s.ReduceOp.MIN, s.ReduceOp.MAX)
+#: How often a rank waiting on its host's daemon looks for an error from the head's.
+BOOKS_CHECK_S = 0.05
+
+
+class AcrossHostsTransport(Transport):
+    """The head's books (``comm``: the head's daemon) and this host's share of the data (``part``: this host's
+    daemon, the communicator's members here numbered among themselves)."""
+
+    def __init__(self, comm: Comm, part: Comm):
+        super().__init__(comm)
+        self.part = ArenaTransport(part)
+
+    def takes(self, call: Call) -> bool:
+        """Whether ``call`` goes host daemon to host daemon (every rank answers alike: see the module)."""
+        return (bool(self.comm.seq) and call.op is s.CollOp.ALLREDUCE and call.reduce_op in REDUCE_OPS
+                and call.staged_numel > 0 and str(call.dtype).removeprefix("torch.") in kernels.DTYPES)
+
+    def post(self, call: Call) -> Pending:
+        books = call.request(self.comm, transport=s.Transport.HOSTS)
+        self.part.comm.seq = books.seq - 1  # the share numbers it as the books do: errors name one number
+        pending = self.part.staged(call, self)
+        pending.books = self.comm.client.send(books)
+        return stream.append(pending)
+
+    def ready(self, p: Pending) -> bool:
+        return self.part.comm.client.poll(p.req) or self.comm.client.poll(p.books)
+
+    def complete(self, p: Pending) -> None:
+        """Wait for this host's daemon, watching the head's for an error; then deliver as on shared memory."""
+        host, head = self.part.comm.client, self.comm.client
+        deadline = p.posted_at + self.comm.timeout_s
+        while True:
+            try:
+                reply = host.wait(p.req, timeout_s=max(0.001, min(BOOKS_CHECK_S, deadline - time.monotonic())))
+                break
+            except TimeoutError:
+                pass
+            if head.poll(p.books):
+                books = head.wait(p.books, 0.001)
+                if isinstance(books, s.Error):
+                    raise nccl_error(books.code, books.message, p.device)
+            head.check_daemon()
+            if time.monotonic() > deadline:
+                raise self.watchdog(p.request, time.monotonic() - p.posted_at)
+        if isinstance(reply, s.Error):
+            raise nccl_error(reply.code, reply.message, p.device)
+        if p.deliver is not None:
+            p.deliver(p.staged if p.out_view is None else p.out_view)
+
+    def release(self, p: Pending) -> None:
+        self.part.release(p)
+
+
+def share(comm: Comm, hosts: tuple[str, ...], here: tuple[int, ...], client: cl.DaemonClient,
+          init: s.CommInit) -> AcrossHostsTransport | None:
+    """Join this host's daemon's share of ``comm`` (members ``here`` of those on ``hosts``) and return the
+    transport that carries its all-reduces that way; None where the run keeps them with the head's daemon
+    (clocked or estimate mode, or P2P and SHM disabled). ``init`` is the rank's ``CommInit`` to the head."""
+    if RUNTIME.settings.clocked or RUNTIME.settings.estimate or nccl_debug.net_only():
+        return None
+    part = Comm(comm.id, here.index(comm.rank), len(here), client, comm.timeout_s, comm.start_stride,
+                group_name=comm.group_name, group_desc=comm.group_desc)
+    reply = client.request(s.CommInit(comm=comm.id, rank=part.rank, size=part.size, global_rank=init.global_rank,
+                                      node=init.node, host=init.host, transport="shm", name=init.name,
+                                      desc=init.desc, hosts=list(hosts)))
+    if isinstance(reply, s.Error):
+        raise nccl_error(reply.code, reply.message, RUNTIME.device.current)
+    return AcrossHostsTransport(comm, part)
