@@ -8,7 +8,8 @@ and runs ``mirage run --launcher slurm --gpus-per-node 2 --nproc-per-node 2 --
 python bench/host_paths_worker.py`` in it twice: as mirage runs it (a ``tp`` pair,
 both ranks on one host, is served by that host's daemon over shared memory; a
 ``dp`` group, one rank per host, by the hosts' daemons, which exchange its data
-among themselves while the head's daemon keeps its books), and with
+among themselves while the head's daemon keeps its books: at every size, with
+``MIRAGE_ACROSS_HOSTS_MIN_BYTES=0``), and with
 ``HOST_PATHS_VIA_HEAD=1`` (every communicator through the head's daemon, as
 before hosts had daemons of their own). Prints, per size, the milliseconds per
 all-reduce of each and the ratio to gloo over the same ranks in the same run.
@@ -33,7 +34,8 @@ from cluster import Cluster, unavailable_reason  # noqa: E402
 def run(c: Cluster, via_head: bool, hosts: int) -> list[dict]:
     """Rank 0's rows of one run."""
     with tempfile.TemporaryDirectory() as logs:
-        env = "HOST_PATHS_VIA_HEAD=1" if via_head else ""
+        # every size host daemon to host daemon (by default only from 256 KiB), so each row times that path
+        env = "HOST_PATHS_VIA_HEAD=1" if via_head else "MIRAGE_ACROSS_HOSTS_MIN_BYTES=0"
         script = (f"cd {REPO} && {env} mirage run --launcher slurm --log-dir {logs} --gpus-per-node 2 "
                   f"--nproc-per-node 2 -- python bench/host_paths_worker.py")
         path = f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"

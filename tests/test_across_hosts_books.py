@@ -66,3 +66,38 @@ def test_a_daemon_without_peer_links_refuses_a_share_across_hosts(daemon, msg):
     rep = daemon.client().call(msg)
     assert isinstance(rep, s.Error) and rep.code == "ncclInvalidUsage", rep
     assert "links" in rep.message or "peer" in rep.message
+
+
+
+_THRESHOLD = r"""
+import dataclasses
+from types import SimpleNamespace
+
+import torch
+
+from shim.rank.runtime import RUNTIME
+from shim.transport.across_hosts import AcrossHostsTransport
+from wire import schema as s
+
+def takes(numel, dtype=torch.float32, op=s.CollOp.ALLREDUCE, seq=3):
+    transport = SimpleNamespace(comm=SimpleNamespace(seq=seq))
+    call = SimpleNamespace(op=op, reduce_op=s.ReduceOp.SUM, staged_numel=numel, dtype=dtype)
+    return AcrossHostsTransport.takes(transport, call)
+
+assert RUNTIME.settings.across_hosts_min_bytes == 256 << 10
+assert takes(64 << 10) and takes(128 << 10, torch.bfloat16)  # 256 KiB
+assert not takes((64 << 10) - 1) and not takes(1000)
+assert not takes(1 << 20, seq=0) and not takes(1 << 20, op=s.CollOp.ALLGATHER)
+RUNTIME.settings = dataclasses.replace(RUNTIME.settings, across_hosts_min_bytes=0)
+assert takes(1) and not takes(0)
+print("threshold ok")
+"""
+
+
+def test_all_reduces_under_the_size_threshold_keep_the_head_path(tmp_path):
+    """Which calls a rank sends host daemon to host daemon: all-reduces from MIRAGE_ACROSS_HOSTS_MIN_BYTES (256 KiB
+    by default; the head's one round trip costs less below it), never a communicator's first collective."""
+    from tests.test_run import mirage_run
+
+    r = mirage_run(tmp_path, "--in-process", "--", "python", "-c", _THRESHOLD)
+    assert r.returncode == 0 and "[0] threshold ok" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]

@@ -94,6 +94,9 @@ class Settings:
     zero_copy: str = "reuse"
     #: MIRAGE_ZERO_COPY_MIN_BYTES: the smallest tensor taken zero-copy
     zero_copy_min_bytes: int = 256 << 10
+    #: MIRAGE_ACROSS_HOSTS_MIN_BYTES: all-reduces across hosts from this size go host daemon to host daemon;
+    #: smaller ones take the head's one round trip, which costs less (``shim.transport.across_hosts``)
+    across_hosts_min_bytes: int = 256 << 10
     #: MIRAGE_DIRECT_MAX_BYTES: the largest collective taken rank to rank, as given (0: off); checked where
     #: that path loads (``shim.transport.direct``), so a bad value stops the ranks, not every process
     direct_max_bytes: str = str(64 << 10)
@@ -136,6 +139,7 @@ class Settings:
             debugger=env.get("MIRAGE_DEBUGGER", "pdb"),
             zero_copy=env.get("MIRAGE_ZERO_COPY", "reuse").lower(),
             zero_copy_min_bytes=_int(env, "MIRAGE_ZERO_COPY_MIN_BYTES", 256 << 10),
+            across_hosts_min_bytes=_int(env, "MIRAGE_ACROSS_HOSTS_MIN_BYTES", 256 << 10),
             direct_max_bytes=env.get("MIRAGE_DIRECT_MAX_BYTES", str(64 << 10)),
             socket_if=env.get("MIRAGE_SOCKET_IF", "lo:127.0.0.1"),
             inject=env.get("MIRAGE_INJECT", ""),

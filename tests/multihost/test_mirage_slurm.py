@@ -31,6 +31,8 @@ XHOST = REPO / "tests" / "fixtures" / "ml" / "xhost_allreduce.py"
 FSDP_TP_EXAMPLE = REPO / "tests" / "fixtures" / "frameworks" / "examples" / "tensor_parallelism" / "fsdp_tp_example.py"
 ENV = {"PATH": f"{VENV_BIN}:{os.environ.get('PATH', '')}"}
 LOSS = re.compile(r"loss: (\S+) -> (\S+) over")
+#: all-reduces of any size go host daemon to host daemon (by default only those from 256 KiB)
+ACROSS_FROM_ANY_SIZE = "MIRAGE_ACROSS_HOSTS_MIN_BYTES=0"
 
 
 def _mirage(log_dir: Path, *args: str, env: str = "", gpus: int = 2) -> str:
@@ -108,8 +110,9 @@ def gloo_loss():
 
 
 def test_ddp_over_two_hosts_matches_gloo(cluster, tmp_path, gloo_loss):
-    r = cluster.salloc(_mirage(tmp_path, "--nproc-per-node 2", "--", "python", str(DDP)), nodes=2,
-                       timeout=300, env=ENV)
+    # its 21 KB gradient bucket is under the size that goes host daemon to host daemon by default: 0 sends it there
+    r = cluster.salloc(_mirage(tmp_path, "--nproc-per-node 2", "--", "python", str(DDP),
+                               env=ACROSS_FROM_ANY_SIZE), nodes=2, timeout=300, env=ENV)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-6000:]
     assert "all ranks converged with identical replicas" in out and "ddp_mlp_ok" in out
@@ -134,8 +137,9 @@ def test_ddp_over_two_hosts_matches_gloo(cluster, tmp_path, gloo_loss):
 
 def test_all_reduces_across_hosts_go_host_daemon_to_host_daemon(cluster, tmp_path):
     # the world (2 ranks per host) and a pair of ranks on different hosts, results checked against gloo's
-    r = cluster.salloc(_mirage(tmp_path, "--nproc-per-node 2", "--", "python", str(XHOST)), nodes=2, timeout=300,
-                       env=ENV)
+    # every size, 1 element up, across hosts (odd sizes cut into uneven segments)
+    r = cluster.salloc(_mirage(tmp_path, "--nproc-per-node 2", "--", "python", str(XHOST), env=ACROSS_FROM_ANY_SIZE),
+                       nodes=2, timeout=300, env=ENV)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-6000:]
     assert "xhost_allreduce_ok" in out and out.count("all-reduces equal gloo's") == 4, out[-6000:]
@@ -284,7 +288,8 @@ def test_a_host_whose_link_goes_down_mid_collective_is_reported_by_name(multihos
     # DDP's gradient all-reduces go host daemon to host daemon; h2's only link to everyone goes down under them
     with Cluster(2) as c:
         job = c.popen(["salloc", "-N", "2", "bash", "-c",
-                       _mirage(tmp_path, "--nproc-per-node 2", "--", "python", str(DDP), env="STEPS=1000000")],
+                       _mirage(tmp_path, "--nproc-per-node 2", "--", "python", str(DDP),
+                               env=f"STEPS=1000000 {ACROSS_FROM_ANY_SIZE}")],
                       env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             session = _training(c, tmp_path)["session"]
