@@ -154,6 +154,13 @@ void add_tensor(Signature& key, const at::Tensor& t) {
   }
 }
 
+void add_double(Signature& key, double d) {
+  int64_t bits = 0;
+  std::memcpy(&bits, &d, sizeof bits);
+  key.push_back(kDouble);
+  key.push_back(bits);
+}
+
 // False for an argument the signature cannot hold (the op is then timed by the Python path).
 bool add_value(Signature& key, const c10::IValue& v) {
   if (v.isTensor() && v.toTensor().defined() && v.toTensor().unsafeGetTensorImpl()->is_wrapped_number()) {
@@ -162,11 +169,7 @@ bool add_value(Signature& key, const c10::IValue& v) {
     if (number.isComplex()) {
       return false;
     }
-    key.push_back(kDouble);
-    const double d = number.toDouble();
-    int64_t bits = 0;
-    std::memcpy(&bits, &d, sizeof bits);
-    key.push_back(bits);
+    add_double(key, number.toDouble());
     key.push_back(static_cast<int64_t>(number.type()));
   } else if (v.isTensor()) {
     add_tensor(key, v.toTensor());
@@ -179,11 +182,7 @@ bool add_value(Signature& key, const c10::IValue& v) {
     key.push_back(kInt);
     key.push_back(v.toInt());
   } else if (v.isDouble()) {
-    key.push_back(kDouble);
-    const double d = v.toDouble();
-    int64_t bits = 0;
-    std::memcpy(&bits, &d, sizeof bits);
-    key.push_back(bits);
+    add_double(key, v.toDouble());
   } else if (v.isString()) {
     const auto& text = v.toStringRef();
     key.push_back(kString);

@@ -14,7 +14,7 @@ parsing its dozen keyword arguments for each op.
 
 In clocked mode the plain ops are timed in C++ as well: each op's cost is
 looked up by its signature (the op, its tensors' dtypes, sizes and strides, its
-other arguments) in a table the roofline fills on a miss (:func:`_priced`), and
+other arguments) in a table the roofline fills on a miss (``op_cost``), and
 the rank's clock is advanced by ``Clock.charge_priced``. Estimate mode keeps
 the plain ops in Python, where its rules for tensors without values live.
 
@@ -30,7 +30,7 @@ import functools
 
 import torch
 
-from shim.clock.roofline import OpCost, op_cost
+from shim.clock.roofline import op_cost
 from shim.device import state as dev
 from shim.memory import allocator  # noqa: F401 - it builds RUNTIME.allocator
 from shim.native import build as native_build
@@ -100,11 +100,6 @@ def _check_plain(op) -> str:
     return _name(op)
 
 
-def _priced(profile, func, args, kwargs, out) -> OpCost:
-    """The cost of a plain op whose signature the C++ table has not seen yet (clocked mode)."""
-    return op_cost(func, args, kwargs, out, profile)
-
-
 def install() -> None:
     """Build (once, cached) and register the kernels; on failure record why in :data:`FAST_DISPATCH_ERROR`."""
     global FAST_DISPATCH_ERROR, _lib
@@ -122,7 +117,8 @@ def install() -> None:
     register.argtypes = [ctypes.py_object] * 8
     register.restype = ctypes.c_int
     clock = RUNTIME.clock  # clocked mode: the plain ops are timed in C++ too, priced once per signature
-    cost = None if clock is None else functools.partial(_priced, clock.profile)
+    # the roofline of an op whose signature the C++ table has not seen yet
+    cost = None if clock is None else functools.partial(op_cost, profile=clock.profile)
     try:
         # dev._alloc: the thread's allocating_on() GPU, which overrides an output's GPU as in _fast
         register(MirageTensor, dev._alloc, RUNTIME.allocator.hold, views, plain, plain_ops, cost,
