@@ -153,7 +153,7 @@ def main() -> int:
           + ", ".join(f"{d} {fitted_efficiency(d):.3f}" for d in _DTYPES))
 
     print(f"\n{'GPU':7s} {'bf16 GEMM (model only)':>22s} {'ms':>9s} {'TF':>9s}")
-    for profile in sorted({p.profile for p in PUBLISHED}):
+    for profile in sorted({p.profile for p in PUBLISHED + HELD_OUT}):
         for s in (8192, 16384):
             c = gemm_cost(profile, torch.bfloat16, s, s, s)
             print(f"{profile:7s} {f'{s}³':>22s} {c.seconds * 1e3:9.3f} {c.flops / c.seconds / 1e12:9.1f}")

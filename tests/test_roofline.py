@@ -14,6 +14,7 @@ from wire.profiles import load_profile
 REPO_ROOT = Path(__file__).resolve().parent.parent
 aten = torch.ops.aten
 MI300X = load_profile("mi300x")
+MI350X = load_profile("mi350x")  # no published achieved figure: the fitted factors apply
 
 
 def meta(*shape, dtype=torch.bfloat16):
@@ -31,11 +32,21 @@ def compute_seconds(flops, tflops, efficiency):
 
 def test_matmul_is_2mnk_flops_at_the_modeled_bf16_efficiency():
     m, n, k = 8192, 4096, 16384
-    c = mm_cost(m, n, k)
+    c = mm_cost(m, n, k, profile=MI350X)
     assert c.flops == 2 * m * n * k
     assert c.bytes == (m * k + k * n + m * n) * 2
     assert (c.bound, c.has_formula) == ("compute", True)
-    assert c.seconds == pytest.approx(compute_seconds(c.flops, MI300X.fp16_tflops, roofline.BF16_GEMM_EFFICIENCY))
+    assert c.seconds == pytest.approx(compute_seconds(c.flops, MI350X.fp16_tflops, roofline.BF16_GEMM_EFFICIENCY))
+
+
+@pytest.mark.parametrize("dtype, kind", [(torch.bfloat16, "bf16"), (torch.float16, "fp16"),
+                                         (torch.float8_e4m3fnuz, "fp8")])
+@pytest.mark.parametrize("name", ["mi300x", "mi325x"])
+def test_a_gpu_with_a_published_max_achievable_figure_runs_large_gemms_at_it(name, dtype, kind):
+    profile = load_profile(name)
+    c = mm_cost(8192, 8192, 8192, dtype=dtype, profile=profile)
+    achieved = roofline.MEASURED_MAF_TFLOPS[(profile.product, kind)] * 1e12
+    assert c.seconds == pytest.approx(c.flops / achieved + roofline.KERNEL_LAUNCH_S)
 
 
 def test_a_skinny_matmul_is_memory_bound():
@@ -121,9 +132,9 @@ def test_a_broadcast_operand_is_read_once():
     ],
 )
 def test_each_dtype_uses_its_peak(dtype, field, efficiency):
-    c = mm_cost(8192, 8192, 8192, dtype=dtype)
+    c = mm_cost(8192, 8192, 8192, dtype=dtype, profile=MI350X)
     assert c.bound == "compute"
-    assert c.seconds == pytest.approx(compute_seconds(c.flops, getattr(MI300X, field), efficiency))
+    assert c.seconds == pytest.approx(compute_seconds(c.flops, getattr(MI350X, field), efficiency))
 
 
 def test_a_scaled_fp8_gemm_runs_at_the_fp8_rate_though_it_writes_bf16():
@@ -132,9 +143,9 @@ def test_a_scaled_fp8_gemm_runs_at_the_fp8_rate_though_it_writes_bf16():
     args = (a, b, scale, scale, None, None, torch.bfloat16)  # as __torch_dispatch__ passes them
     out = aten._scaled_mm.default(*args)
     assert out.dtype == torch.bfloat16
-    c = op_cost(aten._scaled_mm.default, args, {}, out, MI300X)
+    c = op_cost(aten._scaled_mm.default, args, {}, out, MI350X)
     assert c.flops == 2 * 8192**3
-    assert c.seconds == pytest.approx(compute_seconds(c.flops, MI300X.fp8_tflops, roofline.FP8_GEMM_EFFICIENCY))
+    assert c.seconds == pytest.approx(compute_seconds(c.flops, MI350X.fp8_tflops, roofline.FP8_GEMM_EFFICIENCY))
 
 
 def test_a_faster_gpu_is_faster():
@@ -155,6 +166,23 @@ def test_the_model_meets_amds_published_gemm_throughput():
     assert {r.published.profile for r in rows} == {"mi300x", "mi325x"}
     for r in rows:
         assert abs(r.error) <= bench.MAX_ERROR, (r.published, r.model_tflops)
+
+
+def test_the_model_meets_held_out_torch_matmul_throughput():
+    # stas00/ml-engineering's MAMF table (torch.mm, another shape and software stack), never fitted to:
+    # within issue #30's 15 % on every GPU it lists (MI300X +5.8 %, MI325X +7.2 %, MI355X -6.1 %).
+    bench = _bench()
+    rows = bench.gemm_rows(bench.HELD_OUT)
+    assert {r.published.profile for r in rows} == {"mi300x", "mi325x", "mi355x"}
+    for r in rows:
+        assert abs(r.error) <= bench.MAX_ERROR, (r.published, r.model_tflops)
+
+
+def test_the_measured_figures_are_amds_published_ones():
+    bench = _bench()
+    assert {(load_profile(p.profile).product, p.dtype): p.tflops for p in bench.PUBLISHED} == dict(roofline.MEASURED_MAF_TFLOPS)
+    # the MI355X has no published figure: its held-out row checks the fitted factor, not a measurement
+    assert (load_profile("mi355x").product, "bf16") not in roofline.MEASURED_MAF_TFLOPS
 
 
 def test_the_efficiency_constants_are_the_fit_of_the_published_figures():
