@@ -174,6 +174,16 @@ def test_held_out_two_node_all_reduce_stays_within_the_goal_where_the_model_runs
             assert (r.nbytes, rccl_protocol) == (32 * MIB, "LL128") and abs(r.error) <= 0.19, (r.nbytes, r.error)
 
 
+def test_held_out_single_node_figures_of_every_collective_are_within_the_goal():
+    # AMD's CVS bars for one node of 8 (MI300X, MI350X all_reduce; MI355X all_reduce, all_gather,
+    # reduce_scatter, all_to_all, broadcast at 8 and 16 GiB), never fitted to: worst +12.2 %
+    # (MI355X all_to_all at 8 GiB), within issue #30's 15 % (docs/clocked.md).
+    rows = [r for r in _bench().published("heldout") if r.table == "heldout_cvs_1node_expected"]
+    assert {r.profile for r in rows} == {"mi300x", "mi350x", "mi355x"} and len(rows) == 12
+    for r in rows:
+        assert abs(r.error) <= 0.15, (r.collective, r.profile, r.nbytes, r.error)
+
+
 def test_a_ring_all_reduce_across_nodes_pays_nccls_plateau_latency():
     # NCCL's ncclTopoGetAlgoTime: ring/Simple all-reduce across nodes, 1.4 x the latency past 64 B per
     # channel and rank; inside a node, other protocols and other collectives do not pay it.
