@@ -22,9 +22,10 @@ Reference figures:
 
 Then the published tables in ``bench/data/rccl_tests/`` (their sources are in each file): the
 fit set (``fit_*.csv``: the single-node table above, AMD's CVS figures for two nodes) and the
-held-out set (``heldout_*.csv``: 2 x 8 MI350X all-reduce from RCCL's own pull request), each
-row's error printed. The split was fixed before the inter-node model was written
-(docs/clocked.md, "Validation protocol"); nothing is fitted to the held-out rows.
+held-out set (``heldout_*.csv``: 2 x 8 MI350X all-reduce from RCCL's own pull request; AMD's CVS
+single-node bars for MI300X, MI350X and MI355X, every collective), each row's error printed. Each
+file's side was fixed before the model's error on it was computed (docs/clocked.md, "Validation
+protocol"); nothing is fitted to the held-out rows.
 """
 
 from __future__ import annotations

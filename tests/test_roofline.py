@@ -14,6 +14,7 @@ from wire.profiles import load_profile
 REPO_ROOT = Path(__file__).resolve().parent.parent
 aten = torch.ops.aten
 MI300X = load_profile("mi300x")
+MI350X = load_profile("mi350x")  # no published achieved figure: the fitted factors apply
 
 
 def meta(*shape, dtype=torch.bfloat16):
@@ -31,11 +32,21 @@ def compute_seconds(flops, tflops, efficiency):
 
 def test_matmul_is_2mnk_flops_at_the_modeled_bf16_efficiency():
     m, n, k = 8192, 4096, 16384
-    c = mm_cost(m, n, k)
+    c = mm_cost(m, n, k, profile=MI350X)
     assert c.flops == 2 * m * n * k
     assert c.bytes == (m * k + k * n + m * n) * 2
     assert (c.bound, c.has_formula) == ("compute", True)
-    assert c.seconds == pytest.approx(compute_seconds(c.flops, MI300X.fp16_tflops, roofline.BF16_GEMM_EFFICIENCY))
+    assert c.seconds == pytest.approx(compute_seconds(c.flops, MI350X.fp16_tflops, roofline.BF16_GEMM_EFFICIENCY))
+
+
+@pytest.mark.parametrize("dtype, kind", [(torch.bfloat16, "bf16"), (torch.float16, "fp16"),
+                                         (torch.float8_e4m3fnuz, "fp8")])
+@pytest.mark.parametrize("name", ["mi300x", "mi325x"])
+def test_a_gpu_with_a_published_max_achievable_figure_runs_large_gemms_at_it(name, dtype, kind):
+    profile = load_profile(name)
+    c = mm_cost(8192, 8192, 8192, dtype=dtype, profile=profile)
+    achieved = roofline.MEASURED_MAF_TFLOPS[(profile.product, kind)] * 1e12
+    assert c.seconds == pytest.approx(c.flops / achieved + roofline.KERNEL_LAUNCH_S)
 
 
 def test_a_skinny_matmul_is_memory_bound():
@@ -121,9 +132,9 @@ def test_a_broadcast_operand_is_read_once():
     ],
 )
 def test_each_dtype_uses_its_peak(dtype, field, efficiency):
-    c = mm_cost(8192, 8192, 8192, dtype=dtype)
+    c = mm_cost(8192, 8192, 8192, dtype=dtype, profile=MI350X)
     assert c.bound == "compute"
-    assert c.seconds == pytest.approx(compute_seconds(c.flops, getattr(MI300X, field), efficiency))
+    assert c.seconds == pytest.approx(compute_seconds(c.flops, getattr(MI350X, field), efficiency))
 
 
 def test_a_scaled_fp8_gemm_runs_at_the_fp8_rate_though_it_writes_bf16():
@@ -132,9 +143,9 @@ def test_a_scaled_fp8_gemm_runs_at_the_fp8_rate_though_it_writes_bf16():
     args = (a, b, scale, scale, None, None, torch.bfloat16)  # as __torch_dispatch__ passes them
     out = aten._scaled_mm.default(*args)
     assert out.dtype == torch.bfloat16
-    c = op_cost(aten._scaled_mm.default, args, {}, out, MI300X)
+    c = op_cost(aten._scaled_mm.default, args, {}, out, MI350X)
     assert c.flops == 2 * 8192**3
-    assert c.seconds == pytest.approx(compute_seconds(c.flops, MI300X.fp8_tflops, roofline.FP8_GEMM_EFFICIENCY))
+    assert c.seconds == pytest.approx(compute_seconds(c.flops, MI350X.fp8_tflops, roofline.FP8_GEMM_EFFICIENCY))
 
 
 def test_a_faster_gpu_is_faster():
@@ -155,6 +166,46 @@ def test_the_model_meets_amds_published_gemm_throughput():
     assert {r.published.profile for r in rows} == {"mi300x", "mi325x"}
     for r in rows:
         assert abs(r.error) <= bench.MAX_ERROR, (r.published, r.model_tflops)
+
+
+def test_the_model_meets_held_out_torch_matmul_throughput():
+    # stas00/ml-engineering's MAMF table (torch.mm, another shape and software stack), never fitted to:
+    # within issue #30's 15 % on every GPU it lists (MI300X +5.8 %, MI325X +7.2 %, MI355X -6.1 %).
+    bench = _bench()
+    rows = [r for r in bench.gemm_rows(bench.HELD_OUT) if r.published.profile != "mi350x"]
+    assert {r.published.profile for r in rows} == {"mi300x", "mi325x", "mi355x"}
+    for r in rows:
+        assert abs(r.error) <= bench.MAX_ERROR, (r.published, r.model_tflops)
+
+
+def test_the_mi350x_misses_held_out_torch_matmul_by_its_recorded_error():
+    # HipKittens' torch.matmul on an MI350X (1000 W) reaches 45-49 % of peak, where the factor fitted on
+    # CDNA3 gives 59 %: +20.9 to +30.4 %, over the goal (docs/clocked.md). A larger miss fails here.
+    bench = _bench()
+    rows = [r for r in bench.gemm_rows(bench.HELD_OUT) if r.published.profile == "mi350x"]
+    assert len(rows) == 3
+    for r in rows:
+        assert 0.15 < r.error <= 0.31, (r.published, r.error)
+
+
+def test_held_out_attention_is_recorded_not_within_the_goal():
+    # HipKittens' attention forward on MI350X / MI355X: the model runs SDPA at the GEMM rate, and torch's
+    # FLOP formula ignores is_causal, so full attention is 42-217 % fast and causal -31 to +46 %
+    # (docs/clocked.md, "What it ignores"). Pinned so that a change to either shows here.
+    bench = _bench()
+    rows = bench.attention_rows()
+    assert len(rows) == 20
+    full = [r.error for r in rows if not r.published.causal]
+    causal = [r.error for r in rows if r.published.causal]
+    assert 0.41 < min(full) and max(full) < 2.2, full
+    assert -0.32 < min(causal) and max(causal) < 0.47, causal
+
+
+def test_the_measured_figures_are_amds_published_ones():
+    bench = _bench()
+    assert {(load_profile(p.profile).product, p.dtype): p.tflops for p in bench.PUBLISHED} == dict(roofline.MEASURED_MAF_TFLOPS)
+    # the MI355X has no published figure: its held-out row checks the fitted factor, not a measurement
+    assert (load_profile("mi355x").product, "bf16") not in roofline.MEASURED_MAF_TFLOPS
 
 
 def test_the_efficiency_constants_are_the_fit_of_the_published_figures():

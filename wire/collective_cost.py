@@ -117,6 +117,18 @@ NET_PROTOCOL_LATENCY_FACTOR = {
 #: RCCL tuning.cc getNetOverhead(): 2.0 on AMD x86 hosts.
 NET_OVERHEAD_US = 2.0
 
+#: A ring/Simple all-reduce across nodes pays its latency this many times once every channel carries
+#: at least ``RING_PLATEAU_MIN_BYTES`` per rank: NCCL's "plateau effect of ring" (NVIDIA/nccl
+#: src/graph/tuning.cc, ncclTopoGetAlgoTime, ``lat *= minCompCap < 80 ? 1.9 : 1.4``, read at 5067397).
+#: The inter-node step costs above are NCCL's, measured together with this term; without it the model
+#: was 16 % fast at 64 MiB on held-out 2 x 8 MI350X figures (docs/clocked.md).
+RING_PLATEAU_LATENCY_FACTOR = 1.4
+RING_PLATEAU_MIN_BYTES = 64
+
+#: Channels RCCL runs a collective across nodes with on gfx942/gfx950 at the sizes where the plateau
+#: applies: 64 (ROCm/rocm-systems#7848; #9406 reports 64 at 32 and 64 MiB, 48 at 128 MiB).
+MULTI_NODE_CHANNELS = 64
+
 #: Send/recv use LL up to this many bytes, Simple above: RCCL enqueue.cc, NCCL_P2P_LL_THRESHOLD.
 P2P_LL_THRESHOLD = 16384
 
@@ -246,6 +258,13 @@ def _estimate(
             # A ring that leaves the node pays the host proxy on every step (tuning.cc).
             hop = max(hop, NET_OVERHEAD_US * (3 if proto is Protocol.SIMPLE else 1))
         lat_us += (steps - inter_steps) * hop + inter_steps * _net_step_us(profile, algo, proto)
+        if (
+            nodes > 1
+            and op is Collective.ALL_REDUCE
+            and proto is Protocol.SIMPLE
+            and nbytes // (MULTI_NODE_CHANNELS * ranks) >= RING_PLATEAU_MIN_BYTES
+        ):
+            lat_us *= RING_PLATEAU_LATENCY_FACTOR
     latency_s = lat_us * 1e-6
     seconds = latency_s + nbytes * bus_factor(op, ranks) / (bus * 1e9)
     return CollectiveEstimate(op, nbytes, ranks, nodes, algo, proto, seconds, latency_s, bus)

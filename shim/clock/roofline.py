@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
@@ -35,14 +36,25 @@ try:
 finally:
     _flop_log.setLevel(_flop_level)
 
-# Fraction of the data-sheet peak that large GEMMs reach, per input dtype: the geometric mean, over
-# the MI300X and the MI325X, of achieved / peak in AMD's published Max-Achievable FLOPs (hipBLASLt,
-# M=4096 N=4864 K=32896; FP8 N=3648): MI300X 708 / 654 / 1273 TFLOPs (BF16 / FP16 / FP8), MI325X
-# 843 / 794 / 1519, against 1307.4 and 2614.9 peak. Source: ROCm blog "Measuring Max-Achievable
-# FLOPs – Part 2", 28 Feb 2025, rocm.blogs.amd.com/software-tools-optimization/
-# measuring-max-achievable-flops-part2/README.html. One factor per dtype for every GPU: the two
-# GPUs differ by their sustained clock under load (1207 vs 1447 MHz for BF16), which the model does
-# not know, so each lands within ±10 % of its published figure (bench/clocked_compute.py).
+# AMD's published Max-Achievable FLOPs (hipBLASLt, M=4096 N=4864 K=32896; FP8 N=3648), TFLOPs, from
+# the ROCm blog "Measuring Max-Achievable FLOPs – Part 2", 28 Feb 2025, rocm.blogs.amd.com/
+# software-tools-optimization/measuring-max-achievable-flops-part2/README.html, Table 1. What a large
+# GEMM reaches is hipBLASLt's efficiency (~94 %, same blog) times the clock the board's power limit
+# sustains under dense matrix work (MI300X at 750 W: 1207 MHz for BF16; MI325X at 1000 W: 1447 MHz),
+# so each GPU's own measured fraction of peak is used where AMD published one: a factor shared by the
+# two left the MI300X 15 % fast on held-out torch.mm figures (docs/clocked.md, "Compute").
+MEASURED_MAF_TFLOPS = MappingProxyType({
+    ("AMD Instinct MI300X", "bf16"): 708.0,
+    ("AMD Instinct MI300X", "fp16"): 654.0,
+    ("AMD Instinct MI300X", "fp8"): 1273.0,
+    ("AMD Instinct MI325X", "bf16"): 843.0,
+    ("AMD Instinct MI325X", "fp16"): 794.0,
+    ("AMD Instinct MI325X", "fp8"): 1519.0,
+})
+
+# For a GPU without a published figure (MI350X, MI355X): the fraction of the data-sheet peak that
+# large GEMMs reach, per input dtype, the geometric mean over the MI300X and the MI325X of the
+# figures above against 1307.4 and 2614.9 peak.
 BF16_GEMM_EFFICIENCY = 0.59
 FP16_GEMM_EFFICIENCY = 0.55
 FP8_GEMM_EFFICIENCY = 0.53
@@ -92,14 +104,20 @@ class OpCost:
         return {"flops": self.flops, "bytes": self.bytes, "bound": self.bound}
 
 
+def _matrix_rate(profile: Profile, kind: str, peak_tflops: float, fitted: float) -> tuple[float, float]:
+    """(peak FLOP/s, fraction reached): the GPU's measured fraction where AMD published one, else ``fitted``."""
+    measured = MEASURED_MAF_TFLOPS.get((profile.product, kind))
+    return peak_tflops * 1e12, measured / peak_tflops if measured is not None else fitted
+
+
 def peak_and_efficiency(profile: Profile, dtype: torch.dtype) -> tuple[float, float]:
     """The data-sheet peak (FLOP/s) for math in ``dtype`` on ``profile``'s GPU, and the fraction of it reached."""
     if dtype == torch.bfloat16:
-        return profile.fp16_tflops * 1e12, BF16_GEMM_EFFICIENCY
+        return _matrix_rate(profile, "bf16", profile.fp16_tflops, BF16_GEMM_EFFICIENCY)
     if dtype == torch.float16:
-        return profile.fp16_tflops * 1e12, FP16_GEMM_EFFICIENCY
+        return _matrix_rate(profile, "fp16", profile.fp16_tflops, FP16_GEMM_EFFICIENCY)
     if dtype.is_floating_point and dtype.itemsize == 1:  # the float8 family
-        return profile.fp8_tflops * 1e12, FP8_GEMM_EFFICIENCY
+        return _matrix_rate(profile, "fp8", profile.fp8_tflops, FP8_GEMM_EFFICIENCY)
     if dtype in (torch.float64, torch.complex128):
         return profile.fp64_tflops * 1e12, OTHER_COMPUTE_EFFICIENCY
     return profile.fp32_tflops * 1e12, OTHER_COMPUTE_EFFICIENCY
