@@ -194,7 +194,7 @@ class Exchange:
             # of their first ranks) that is the head's order, rank by rank, so a float sum rounds as there
             parts = [out if j == self.me else got[j] for j in range(len(self.hosts))]
             req = self.req
-            if self.me == 0:  # the result may take the first part's place, not a later one's
+            if self.me <= 1:  # the result may take the first or second part's place, not a later one's
                 kernels.reduce_into(parts, req.reduce_op, req.dtype, out, count=self.layout.world)
             else:
                 out[...] = kernels.reduce(parts, req.reduce_op, req.dtype, count=self.layout.world)

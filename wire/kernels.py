@@ -134,12 +134,14 @@ def reduce(parts: list[np.ndarray], op: ReduceOp, dtype: str, count: int | None 
 
 
 def reduce_into(parts: list[np.ndarray], op: ReduceOp, dtype: str, out: np.ndarray, count: int | None = None) -> None:
-    """Reduce equally-shaped typed views element-wise into ``out`` (which may be ``parts[0]``).
+    """Reduce equally-shaped typed views element-wise into ``out`` (which may alias the first two parts).
 
     Straight into the output, one pass per input, where the storage dtype is
     the compute dtype: no temporary to fill and copy (bfloat16 goes through
-    :func:`reduce`'s float32 accumulator). ``out`` must not alias any of
-    ``parts[1:]``: each is read after ``out`` has been written. ``count``: as for :func:`reduce`.
+    :func:`reduce`'s float32 accumulator). ``out`` may be ``parts[0]`` or
+    ``parts[1]`` (the first step reads both, element by element, before it
+    writes), not a later one: each is read after ``out`` has been written.
+    ``count``: as for :func:`reduce`.
     """
     if dtype == "bfloat16" or len(parts) < 2:
         out[...] = reduce(parts, op, dtype, count)
