@@ -76,9 +76,7 @@ class Exchange:
             self.chunks[owner].update({a: min(a + per, hi) for a in range(lo, hi, per)})
         # local work, each chunk with its owner: a round of every owner's k-th chunk, starting with the next
         # host's, so that the hosts do not all send to the same one at once (a copying kind works only on its own)
-        order = [(me + k) % len(self.hosts) for k in range(1, len(self.hosts) + 1)]
-        if not kind.reduces:
-            order = [me]
+        order = [(me + k) % len(self.hosts) for k in range(1, len(self.hosts) + 1)] if kind.reduces else [me]
         starts = [list(c) for c in self.chunks]
         rounds = max(map(len, starts), default=0)
         self.todo = deque((starts[j][k], self.chunks[j][starts[j][k]], j) for k in range(rounds) for j in order

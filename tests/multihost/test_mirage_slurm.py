@@ -167,25 +167,38 @@ def test_all_reduces_across_hosts_go_host_daemon_to_host_daemon(cluster, tmp_pat
     assert _ours_left(cluster, session) == []
 
 
-def test_fsdp_and_every_collective_across_hosts_go_host_daemon_to_host_daemon(cluster, tmp_path):
-    # all-gathers, reduce-scatters, broadcasts and averages over the world (2 ranks per host) and a pair across
-    # the hosts, equal to gloo's on the same ranks; then FSDP2 over the world, equal to FSDP2 over gloo
-    r = cluster.salloc(_mirage(tmp_path, "--nproc-per-node 2", "--", "python", str(XCOLL), env=ACROSS_FROM_ANY_SIZE),
-                       nodes=2, timeout=300, env=ENV)
+def _every_collective_across(c: Cluster, tmp_path: Path, hosts: int) -> None:
+    """xhost_collectives.py on ``hosts`` hosts of 2 ranks: every result gloo's, no byte through the head."""
+    r = c.salloc(_mirage(tmp_path, "--nproc-per-node 2", "--", "python", str(XCOLL), env=ACROSS_FROM_ANY_SIZE),
+                 nodes=hosts, timeout=300, env=ENV)
     out = r.stdout + r.stderr
+    ranks = 2 * hosts
     assert r.returncode == 0, out[-6000:]
-    assert "xhost_collectives_ok" in out and out.count("collectives equal gloo's") == 4, out[-6000:]
-    assert out.count("FSDP2 losses") == 4, out[-6000:]
+    assert "xhost_collectives_ok" in out and out.count("collectives equal gloo's") == ranks, out[-6000:]
+    assert out.count("FSDP2 losses") == ranks, out[-6000:]
     run = _run_dir(tmp_path)
     ops = {e["op"] for e in _events(run) if e["type"] == "coll_enqueued" and e["transport"] == "hosts"}
     assert ops == {"allgather", "reduce_scatter", "broadcast", "allreduce"}, ops
     # the head's daemon kept their books and carried none of their bytes (every first collective is a barrier)
     assert _daemon_bytes(run / "daemon.log") == (0, 0, 0)
     session = json.loads((run / "session.json").read_text())["session"]
-    logs = {h: Path(f"/tmp/mirage-{os.getuid()}/agent-{session}-{h}/daemon.log") for h in ("h1", "h2")}
-    (_, sent1, got1), (_, sent2, got2) = _daemon_bytes(logs["h1"]), _daemon_bytes(logs["h2"])
-    assert sent1 > 0 and sent1 == got2 and sent2 == got1, (sent1, got1, sent2, got2)  # what one sent, the other got
-    assert _ours_left(cluster, session) == []
+    names = [f"h{k}" for k in range(1, hosts + 1)]
+    moved = [_daemon_bytes(Path(f"/tmp/mirage-{os.getuid()}/agent-{session}-{h}/daemon.log"))[1:] for h in names]
+    # what the host daemons sent, the others received
+    assert all(sent > 0 for sent, _ in moved) and sum(s for s, _ in moved) == sum(g for _, g in moved), moved
+    assert _ours_left(c, session) == []
+
+
+def test_fsdp_and_every_collective_across_hosts_go_host_daemon_to_host_daemon(cluster, tmp_path):
+    # all-gathers, reduce-scatters, broadcasts and averages over the world (2 ranks per host) and a pair across
+    # the hosts, equal to gloo's on the same ranks; then FSDP2 over the world, equal to FSDP2 over gloo
+    _every_collective_across(cluster, tmp_path, 2)
+
+
+def test_every_collective_across_three_hosts(multihost_ready, tmp_path):
+    # three hosts: pieces owned by, and partials sent to, more than one other host; broadcasts from every host
+    with Cluster(3) as c:
+        _every_collective_across(c, tmp_path, 3)
 
 
 def test_a_slow_lossy_link_between_hosts_still_gives_gloo_s_results(multihost_ready, tmp_path):
