@@ -1,4 +1,4 @@
-"""All-reduce inside a host and across hosts in a multi-host run, against gloo over the same ranks.
+"""Collectives inside a host and across hosts in a multi-host run, against gloo over the same ranks.
 
     python bench/host_paths.py             # needs root, ip netns, slurm-wlm and munge (as tests/multihost)
     python bench/host_paths.py --hosts 4 --no-via-head
@@ -11,8 +11,10 @@ both ranks on one host, is served by that host's daemon over shared memory; a
 among themselves while the head's daemon keeps its books: at every size, with
 ``MIRAGE_ACROSS_HOSTS_MIN_BYTES=0``), and with
 ``HOST_PATHS_VIA_HEAD=1`` (every communicator through the head's daemon, as
-before hosts had daemons of their own). Prints, per size, the milliseconds per
-all-reduce of each and the ratio to gloo over the same ranks in the same run.
+before hosts had daemons of their own). Prints, per collective (all-reduce at
+4 KiB to 32 MiB; all-gather and reduce-scatter at 4 and 32 MiB, the size being
+the whole buffer) and size, the milliseconds per call of each and the ratio to
+gloo over the same ranks in the same run.
 Figures only: nothing here asserts a time.
 """
 
@@ -54,18 +56,20 @@ def main() -> int:
     if reason:
         print(f"host_paths: cannot build a cluster here: {reason}", file=sys.stderr)
         return 2
+    load = os.getloadavg()[0]
     with Cluster(a.hosts) as c:
         own = run(c, via_head=False, hosts=a.hosts)
         head = own if a.no_via_head else run(c, via_head=True, hosts=a.hosts)
-    print(f"{a.hosts} hosts; across hosts: one rank per host")
-    print(f"{'size':>8}  {'group':<22} {'mirage ms':>10} {'gloo ms':>9} {'ratio':>6}   "
+    # the box's load, before and after: the figures move with it (other jobs share its cores)
+    print(f"{a.hosts} hosts; across hosts: one rank per host; load {load:.1f} -> {os.getloadavg()[0]:.1f}")
+    print(f"{'op':<15} {'size':>8}  {'group':<22} {'mirage ms':>10} {'gloo ms':>9} {'ratio':>6}   "
           + ("" if a.no_via_head else f"{'via head ms':>11} {'ratio':>6}"))
     for mine, theirs in zip(own, head):
         size = f"{mine['bytes'] >> 10} KiB" if mine["bytes"] < 1 << 20 else f"{mine['bytes'] >> 20} MiB"
         for pair, what in (("tp", "inside a host (shm)"), ("dp", "across hosts (TCP)")):
             m, g, h, hg = (mine[f"{pair}_nccl_s"], mine[f"{pair}_gloo_s"], theirs[f"{pair}_nccl_s"],
                            theirs[f"{pair}_gloo_s"])
-            print(f"{size:>8}  {what:<22} {m * 1e3:>10.3f} {g * 1e3:>9.3f} {m / g:>6.2f}   "
+            print(f"{mine['op']:<15} {size:>8}  {what:<22} {m * 1e3:>10.3f} {g * 1e3:>9.3f} {m / g:>6.2f}   "
                   + ("" if a.no_via_head else f"{h * 1e3:>11.3f} {h / hg:>6.2f}"))
     return 0
 

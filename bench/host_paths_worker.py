@@ -1,11 +1,12 @@
-"""Runs inside each rank of a multi-host run (bench/host_paths.py): all-reduce inside a host and across hosts.
+"""Runs inside each rank of a multi-host run (bench/host_paths.py): collectives inside a host and across hosts.
 
 A ``(hosts, 2)`` mesh, as HSDP or FSDP x TP lay one out: ``tp`` pairs the two
-ranks of a host, ``dp`` joins one rank of every host (its all-reduces go host
-daemon to host daemon). For each size, rank 0
-times an all-reduce on both, on emulated nccl/cuda and on gloo/CPU groups over
-the same ranks (gloo's bytes cross the hosts' network as mirage's do), and
-prints one JSON line. With ``HOST_PATHS_VIA_HEAD=1`` the rank forgets its
+ranks of a host, ``dp`` joins one rank of every host (its collectives go host
+daemon to host daemon). For each collective and size, rank 0
+times it on both, on emulated nccl/cuda and on gloo/CPU groups over the same
+ranks (gloo's bytes cross the hosts' network as mirage's do), and prints one
+JSON line. A size is the collective's whole buffer: an all-reduce's tensor, an
+all-gather's output, a reduce-scatter's input. With ``HOST_PATHS_VIA_HEAD=1`` the rank forgets its
 host's daemon before any group is made, so the ``tp`` pairs go through the
 head's daemon over TCP as well: the path every communicator took before hosts
 had daemons of their own.
@@ -20,8 +21,23 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-SIZES = [4 << 10, 256 << 10, 4 << 20, 32 << 20]
+#: bytes timed, per collective
+SIZES = {"all_reduce": [4 << 10, 256 << 10, 4 << 20, 32 << 20], "all_gather": [4 << 20, 32 << 20],
+         "reduce_scatter": [4 << 20, 32 << 20]}
 ROUNDS = 5
+
+
+def collective(op: str, count: int, group, device: str):
+    """A call of ``op`` over ``count`` float32 elements in all on ``group``, its tensors made once (zeros: sums
+    never overflow)."""
+    share = count // group.size()
+    if op == "all_reduce":
+        x = torch.zeros(count, device=device)
+        return lambda: dist.all_reduce(x, group=group)
+    whole, part = torch.zeros(count, device=device), torch.zeros(share, device=device)
+    if op == "all_gather":
+        return lambda: dist.all_gather_into_tensor(whole, part, group=group)
+    return lambda: dist.reduce_scatter_tensor(part, whole, group=group)
 
 
 def timed(fn, iters: int, group) -> float:
@@ -60,16 +76,17 @@ def main() -> None:
             g = dist.new_group(ranks, backend="gloo")
             if rank in ranks:
                 gloo[name] = g
-    for nbytes in SIZES:
-        count = nbytes // 4
-        iters = max(3, min(50, (16 << 20) // nbytes))
-        row = {"bytes": nbytes, "iters": iters, "rounds": ROUNDS, "via_head": os.environ.get("HOST_PATHS_VIA_HEAD") == "1"}
-        for name, group in groups.items():
-            x, c = torch.zeros(count, device="cuda"), torch.zeros(count)  # zeros: sums never overflow
-            row[f"{name}_nccl_s"] = timed(lambda: dist.all_reduce(x, group=group), iters, group)
-            row[f"{name}_gloo_s"] = timed(lambda: dist.all_reduce(c, group=gloo[name]), iters, gloo[name])
-        if rank == 0:
-            print(json.dumps(row), flush=True)
+    for op, sizes in SIZES.items():
+        for nbytes in sizes:
+            count = nbytes // 4
+            iters = max(3, min(50, (16 << 20) // nbytes))
+            row = {"op": op, "bytes": nbytes, "iters": iters, "rounds": ROUNDS,
+                   "via_head": os.environ.get("HOST_PATHS_VIA_HEAD") == "1"}
+            for name, group in groups.items():
+                row[f"{name}_nccl_s"] = timed(collective(op, count, group, "cuda"), iters, group)
+                row[f"{name}_gloo_s"] = timed(collective(op, count, gloo[name], "cpu"), iters, gloo[name])
+            if rank == 0:
+                print(json.dumps(row), flush=True)
     dist.destroy_process_group()
 
 

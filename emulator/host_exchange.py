@@ -1,26 +1,30 @@
-"""An all-reduce across hosts, one host's share: reduce its ranks here, exchange segments with the other hosts.
+"""A collective across hosts, one host's share: its ranks' part here, pieces exchanged with the other hosts.
 
 Every host daemon of the communicator runs the same plan (:class:`Exchange`)
-from the same numbers: the ``numel`` elements are cut into one segment per host
-(host ``j`` owns segment ``j``) and each segment into chunks of ``CHUNK_BYTES``.
-Per chunk:
+from the same numbers: the collective's kind (:mod:`emulator.exchange_kinds`:
+all-reduce, reduce-scatter, all-gather, broadcast) cuts its units into pieces,
+each with an owner host, and each piece into chunks of ``CHUNK_BYTES``. Per
+chunk:
 
-1. the host's own ranks' inputs are reduced into its result buffer (the first
-   rank's output, as the wave scheduler's all-reduce does);
-2. a chunk of another host's segment goes to that host (``PARTIAL``);
-3. a segment's owner, once it has every other host's partial of a chunk,
-   reduces them with its own and sends the result to every other host
-   (``REDUCED``), which copies it into its result buffer.
+1. the owner puts its own ranks' part in the piece's result (a reducing kind:
+   their inputs reduced, as the wave scheduler's kernels do; a copying kind:
+   its rank's input);
+2. a reducing kind's other hosts reduce their ranks over the chunk and send
+   that partial to the owner (``PARTIAL``), which, once it has every other
+   host's, reduces them with its own;
+3. a spreading kind's owner sends the finished chunk to every other host
+   (``RESULT``), which opens it straight into its result buffer.
 
-That is a reduce-scatter then an all-gather: each host sends and receives
-(H − 1)/H of the buffer in each, the bandwidth term of RCCL's ring between
-nodes, and since the hosts talk directly (one switch, as the cluster's bridge)
-it takes two steps of latency rather than 2(H − 1). For two hosts it is an
-exchange of halves. Chunks pipeline: a host sends its first partials while it
-reduces later chunks, and an owner reduces and sends each chunk as its last
-partial arrives. The owner reduces its own partial first, then the others' in
-host order, so a run sums in the same order every time, and every rank of
-every host receives the same bytes.
+For an all-reduce that is a reduce-scatter then an all-gather: each host sends
+and receives (H − 1)/H of the buffer in each, the bandwidth term of RCCL's ring
+between nodes, and since the hosts talk directly (one switch, as the cluster's
+bridge) it takes two steps of latency rather than 2(H − 1); for two hosts an
+exchange of halves. An all-gather is its second half, a reduce-scatter its
+first. Chunks pipeline: a host sends its first partials while it reduces later
+chunks, and an owner finishes and sends each chunk as its last partial
+arrives. The owner reduces the partials in host order, so a run reduces in
+the same order every time (with one rank per host, the head's order), and
+every rank of every host receives the same bytes.
 """
 
 from __future__ import annotations
@@ -30,10 +34,11 @@ from collections.abc import Callable
 
 import numpy as np
 
+from emulator.exchange_kinds import KINDS, Layout, Share
 from emulator.peer_seal import Sealed
-from emulator.scheduler import Job
 from wire import kernels
 from wire import peers as p
+from wire import schema as s
 
 #: Bytes per chunk between hosts: large enough that a chunk's header, its Python and its seal cost little
 #: beside its bytes, small enough that the hosts' links are busy both ways from the first chunks (1, 2 and
@@ -49,36 +54,37 @@ class ExchangeError(Exception):
     """A peer sent what this exchange cannot take (another collective, a chunk off the plan)."""
 
 
-def segments(numel: int, hosts: int) -> list[tuple[int, int]]:
-    """Host ``j``'s segment of ``numel`` elements: [lo, hi), every host within one element of the others."""
-    return [(numel * j // hosts, numel * (j + 1) // hosts) for j in range(hosts)]
-
-
 class Exchange:
-    """This host's share of one all-reduce across ``hosts`` (it is ``hosts[me]``), its ranks' buffers in ``job``."""
+    """This host's share of one collective across hosts: its ranks' buffers in ``share``, where everyone runs in
+    ``layout``."""
 
-    def __init__(self, job: Job, hosts: list[str], me: int):
-        self.job = job
-        self.hosts = hosts
-        self.me = me
-        req = job.first
-        self.req = req
-        self.out = job.targets[0]  # the result, reduced here first (the first rank's output)
-        self.itemsize = job.itemsize
-        per = max(1, CHUNK_BYTES // job.itemsize)
-        self.others = [j for j in range(len(hosts)) if j != me]
-        # per host, its segment's chunks: start -> end
-        self.chunks = [{a: min(a + per, hi) for a in range(lo, hi, per)} for lo, hi in segments(req.numel, len(hosts))]
-        # local reductions to do, each chunk with where it goes: a round of every host's k-th chunk, starting
-        # with the next host's, so that the hosts do not all send to the same one at once
-        order = [(me + k) % len(hosts) for k in range(1, len(hosts) + 1)]
+    def __init__(self, share: Share, layout: Layout):
+        self.share = share
+        self.layout = layout
+        self.hosts = layout.hosts
+        self.me = me = layout.me
+        self.req = req = share.req
+        self.kind = kind = KINDS[req.op]
+        self.itemsize = kernels.itemsize(req.dtype)
+        # an average is summed on every host and divided once, by the communicator's size, on the owner
+        self.partial_op = s.ReduceOp.SUM if req.reduce_op is s.ReduceOp.AVG else req.reduce_op
+        per = max(1, CHUNK_BYTES // self.itemsize)
+        self.others = [j for j in range(len(self.hosts)) if j != me]
+        # per owner host, its pieces' chunks: start -> end
+        self.chunks: list[dict[int, int]] = [{} for _ in self.hosts]
+        for lo, hi, owner in kind.pieces(layout, req):
+            self.chunks[owner].update({a: min(a + per, hi) for a in range(lo, hi, per)})
+        # local work, each chunk with its owner: a round of every owner's k-th chunk, starting with the next
+        # host's, so that the hosts do not all send to the same one at once (a copying kind works only on its own)
+        order = [(me + k) % len(self.hosts) for k in range(1, len(self.hosts) + 1)] if kind.reduces else [me]
         starts = [list(c) for c in self.chunks]
         rounds = max(map(len, starts), default=0)
         self.todo = deque((starts[j][k], self.chunks[j][starts[j][k]], j) for k in range(rounds) for j in order
                           if k < len(starts[j]))
-        self.reduced_here: set[int] = set()  # own chunks whose ranks' reduction is done
+        self.done_here: set[int] = set()  # own chunks whose ranks' part is in place
         self.partials: dict[int, dict[int, np.ndarray]] = {}  # own chunk -> host -> its partial
-        self.awaiting = [set(c) for c in self.chunks]  # per host, chunks still to come (own: still to finish)
+        # per host, chunks still to come from it (own: still to finish); a kind that does not spread sends none
+        self.awaiting = [set(c) if j == me or kind.spreads else set() for j, c in enumerate(self.chunks)]
 
     @property
     def busy(self) -> bool:
@@ -87,14 +93,15 @@ class Exchange:
 
     @property
     def finished(self) -> bool:
-        """Every chunk reduced here, sent, and received: the ranks may have the result."""
+        """Every chunk done here, sent, and received: the ranks may have the result."""
         return not self.todo and not any(self.awaiting)
 
     def waiting_on(self) -> set[int]:
         """The hosts this exchange still needs a chunk from."""
         hosts = {j for j in self.others if self.awaiting[j]}
-        for a in self.awaiting[self.me]:
-            hosts |= set(self.others) - self.partials.get(a, {}).keys()
+        if self.kind.reduces:
+            for a in self.awaiting[self.me]:
+                hosts |= set(self.others) - self.partials.get(a, {}).keys()
         return hosts
 
     def header(self, phase: p.PeerPhase, a: int, b: int) -> p.PeerChunk:
@@ -103,37 +110,39 @@ class Exchange:
                            dtype=req.dtype, numel=req.numel, at=a, count=b - a)
 
     def advance(self, send: Send) -> None:
-        """Reduce this host's ranks' chunks and send them on, up to ``TURN_BYTES``."""
+        """This host's ranks' part of the chunks, sent on, up to ``TURN_BYTES``."""
         spent = 0
         while self.todo and spent < TURN_BYTES:
             a, b, j = self.todo.popleft()
-            self._reduce_here(a, b)
             spent += (b - a) * self.itemsize
             if j == self.me:
-                self.reduced_here.add(a)
+                self._own_part(a, b)
+                self.done_here.add(a)
                 self._finish_own(a, send)
             else:
-                send(j, self.header(p.PeerPhase.PARTIAL, a, b), self.out[a:b])
+                send(j, self.header(p.PeerPhase.PARTIAL, a, b), self._partial(a, b))
 
     def take(self, j: int, msg: p.PeerChunk, data: Sealed | None, send: Send) -> None:
-        """A chunk from host ``j`` (its bytes in ``data``, opened here): a partial of this host's segment, or
-        another segment's result (opened straight into the result). :class:`SealError` if they do not open."""
+        """A chunk from host ``j`` (its bytes in ``data``, opened here): a partial of a piece this host owns, or
+        a piece ``j`` finished (opened straight into the result). :class:`SealError` if they do not open."""
         req = self.req
         if (msg.op, msg.reduce_op, msg.dtype, msg.numel) != (req.op, req.reduce_op, req.dtype, req.numel):
             raise ExchangeError(
                 f"host {self.hosts[j]} runs collective #{req.seq} as {msg.op.value} ({msg.reduce_op.value}) of "
                 f"{msg.numel} x {msg.dtype}, this host's ranks as {req.op.value} ({req.reduce_op.value}) of "
                 f"{req.numel} x {req.dtype}")
-        owner = self.me if msg.phase is p.PeerPhase.PARTIAL else j
+        partial = msg.phase is p.PeerPhase.PARTIAL
+        owner = self.me if partial else j
         end = self.chunks[owner].get(msg.at)
         size = 0 if data is None else data.nbytes
-        if end is None or msg.count != end - msg.at or size != msg.count * self.itemsize:
+        if (end is None or msg.count != end - msg.at or size != msg.count * self.itemsize
+                or not (self.kind.reduces if partial else self.kind.spreads)):
             raise ExchangeError(f"host {self.hosts[j]} sent {size} bytes as elements {msg.at}..{msg.at + msg.count} "
                                 f"({msg.phase.value}) of collective #{req.seq}, which are not a chunk of its plan")
-        if msg.phase is p.PeerPhase.REDUCED:
+        if not partial:
             if msg.at not in self.awaiting[j]:
                 raise ExchangeError(f"host {self.hosts[j]} sent elements {msg.at}.. of collective #{req.seq} twice")
-            data.open(self.out[msg.at:end].view(np.uint8))
+            data.open(self.kind.result(self.share, self.layout, msg.at, end).view(np.uint8))
             self.awaiting[j].discard(msg.at)
             return
         got = self.partials.setdefault(msg.at, {})
@@ -145,27 +154,50 @@ class Exchange:
 
     def deliver(self) -> None:
         """The result into every other rank's output on this host."""
-        for out in self.job.targets[1:]:
-            out[...] = self.out
+        self.kind.deliver(self.share)
 
-    def _reduce_here(self, a: int, b: int) -> None:
-        inputs = self.job.inputs
+    def _reduce_here(self, a: int, b: int, out: np.ndarray) -> np.ndarray:
+        """This host's ranks' inputs over [a, b) reduced into ``out``, or the one input itself."""
+        inputs = self.share.inputs
         if len(inputs) == 1:
-            if inputs[0] is not self.out:  # in place (the rank's own tensor, or its arena): nothing to do
-                self.out[a:b] = inputs[0][a:b]
-            return
-        kernels.reduce_into([x[a:b] for x in inputs], self.req.reduce_op, self.req.dtype, self.out[a:b])
+            return inputs[0][a:b]
+        kernels.reduce_into([x[a:b] for x in inputs], self.partial_op, self.req.dtype, out)
+        return out
+
+    def _partial(self, a: int, b: int) -> np.ndarray:
+        """What this host sends the owner of [a, b): its ranks' reduction (in the result buffer where it has one,
+        overwritten by the owner's result later)."""
+        out = self.kind.result(self.share, self.layout, a, b)
+        if out is None:
+            out = np.empty(b - a, self.share.inputs[0].dtype)
+        return self._reduce_here(a, b, out)
+
+    def _own_part(self, a: int, b: int) -> None:
+        """This host's ranks' part of an own chunk, into its result."""
+        out = self.kind.result(self.share, self.layout, a, b)
+        src = self._reduce_here(a, b, out) if self.kind.reduces else self.kind.source(self.share, self.layout, a, b)
+        if src.__array_interface__["data"][0] != out.__array_interface__["data"][0]:  # in place: already there
+            out[...] = src
 
     def _finish_own(self, a: int, send: Send) -> None:
-        """Reduce an own chunk with the other hosts' partials, once all are here, and send the result to them."""
+        """Once an own chunk's part is in place and (reducing) every other host's partial came: reduce them, and
+        (spreading) send the result to every other host."""
         got = self.partials.get(a, {})
-        if a not in self.reduced_here or len(got) < len(self.others):
+        if a not in self.done_here or (self.kind.reduces and len(got) < len(self.others)):
             return
         b = self.chunks[self.me][a]
-        out = self.out[a:b]
-        if got:
-            kernels.reduce_into([out] + [got[j] for j in sorted(got)], self.req.reduce_op, self.req.dtype, out)
+        out = self.kind.result(self.share, self.layout, a, b)
+        if self.kind.reduces:
+            # in host order, this host's partial in its place: with one rank per host (the hosts are in the order
+            # of their first ranks) that is the head's order, rank by rank, so a float sum rounds as there
+            parts = [out if j == self.me else got[j] for j in range(len(self.hosts))]
+            req = self.req
+            if self.me <= 1:  # the result may take the first or second part's place, not a later one's
+                kernels.reduce_into(parts, req.reduce_op, req.dtype, out, count=self.layout.world)
+            else:
+                out[...] = kernels.reduce(parts, req.reduce_op, req.dtype, count=self.layout.world)
         self.partials.pop(a, None)
         self.awaiting[self.me].discard(a)
-        for j in self.others:
-            send(j, self.header(p.PeerPhase.REDUCED, a, b), out)
+        if self.kind.spreads:
+            for j in self.others:
+                send(j, self.header(p.PeerPhase.RESULT, a, b), out)

@@ -79,24 +79,31 @@ from shim.rank.runtime import RUNTIME
 from shim.transport.across_hosts import AcrossHostsTransport
 from wire import schema as s
 
-def takes(numel, dtype=torch.float32, op=s.CollOp.ALLREDUCE, seq=3):
+def takes(numel, dtype=torch.float32, op=s.CollOp.ALLREDUCE, seq=3, out_numel=None):
     transport = SimpleNamespace(comm=SimpleNamespace(seq=seq))
-    call = SimpleNamespace(op=op, reduce_op=s.ReduceOp.SUM, staged_numel=numel, dtype=dtype)
+    call = SimpleNamespace(op=op, reduce_op=s.ReduceOp.SUM, staged_numel=numel, dtype=dtype,
+                           out_numel=numel if out_numel is None else out_numel)
     return AcrossHostsTransport.takes(transport, call)
 
 assert RUNTIME.settings.across_hosts_min_bytes == 256 << 10
 assert takes(64 << 10) and takes(128 << 10, torch.bfloat16)  # 256 KiB
 assert not takes((64 << 10) - 1) and not takes(1000)
-assert not takes(1 << 20, seq=0) and not takes(1 << 20, op=s.CollOp.ALLGATHER)
+assert not takes(1 << 20, seq=0) and not takes(1 << 20, op=s.CollOp.ALLTOALL)
+# an all-gather by its output, a reduce-scatter by its input: every rank measures the same collective
+assert takes(16 << 10, op=s.CollOp.ALLGATHER, out_numel=64 << 10)
+assert takes(64 << 10, op=s.CollOp.REDUCE_SCATTER, out_numel=16 << 10)
+assert not takes(16 << 10, op=s.CollOp.ALLGATHER, out_numel=32 << 10)
+assert takes(1 << 20, op=s.CollOp.BROADCAST)
 RUNTIME.settings = dataclasses.replace(RUNTIME.settings, across_hosts_min_bytes=0)
 assert takes(1) and not takes(0)
 print("threshold ok")
 """
 
 
-def test_all_reduces_under_the_size_threshold_keep_the_head_path(tmp_path):
-    """Which calls a rank sends host daemon to host daemon: all-reduces from MIRAGE_ACROSS_HOSTS_MIN_BYTES (256 KiB
-    by default; the head's one round trip costs less below it), never a communicator's first collective."""
+def test_collectives_under_the_size_threshold_keep_the_head_path(tmp_path):
+    """Which calls a rank sends host daemon to host daemon: all-reduces, reduce-scatters, all-gathers and
+    broadcasts from MIRAGE_ACROSS_HOSTS_MIN_BYTES (256 KiB by default; the head's one round trip costs less below
+    it), never a communicator's first collective."""
     from tests.test_run import mirage_run
 
     r = mirage_run(tmp_path, "--in-process", "--", "python", "-c", _THRESHOLD)

@@ -1,9 +1,11 @@
-"""An all-reduce across hosts, in process: every host's share of the plan, its chunks passed by hand.
+"""Collectives across hosts, in process: every host's share of the plan, its chunks passed by hand.
 
 Each "host" is an :class:`emulator.host_exchange.Exchange` over numpy buffers
-(its ranks' inputs, the first rank's output as its result); what one sends to
-another is queued and handed over in a shuffled order, as links of different
-speeds would deliver it. Tiny chunks make a few KiB behave like many MiB.
+(its ranks' inputs and outputs); what one sends to another is queued and
+handed over in a shuffled order, as links of different speeds would deliver
+it. Tiny chunks make a few KiB behave like many MiB. Every result is compared,
+byte for byte, with what the head's daemon computes for the same collective
+(the wave scheduler's kernel over every rank's data frames).
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ import numpy as np
 import pytest
 
 from emulator import host_exchange
-from emulator.host_exchange import Exchange, ExchangeError, segments
+from emulator.exchange_kinds import Layout, Share
+from emulator.host_exchange import Exchange, ExchangeError
 from emulator.ledger import Communicator, Posted
-from emulator.scheduler import Job
+from emulator.scheduler import make_job
 from wire import kernels
 from wire import peers as p
-from wire.schema import Collective, CollOp, ReduceOp
+from wire.schema import Collective, CollOp, ReduceOp, Transport
 
 
 class Frame:
@@ -36,13 +39,38 @@ class Frame:
         return out
 
 
-def _exchange(hosts: int, me: int, inputs: list[np.ndarray], dtype: str, op: ReduceOp, seq: int = 3) -> Exchange:
-    n = len(inputs[0])
-    posted = [Posted(b"r%d" % r, Collective(comm="c", seq=seq, rank=r, op=CollOp.ALLREDUCE, reduce_op=op, dtype=dtype,
-                                           numel=n, out_numel=n)) for r in range(len(inputs))]
-    outputs = [inputs[0]] + [np.zeros_like(x) for x in inputs[1:]]  # the first rank in place, as in its arena
-    job = Job(Communicator("c", len(inputs)), posted, inputs, outputs, n, kernels.itemsize(dtype), lambda *a: None)
-    return Exchange(job, [f"h{j}" for j in range(hosts)], me)
+def _request(op, red, dtype, numel, out_numel, root, rank, transport=Transport.SHM) -> Collective:
+    return Collective(comm="c", seq=3, rank=rank, op=op, reduce_op=red, dtype=dtype, numel=numel,
+                      out_numel=out_numel, root=root, transport=transport)
+
+
+def _head(op, red, dtype, numel, out_numel, root, inputs) -> list[np.ndarray]:
+    """Every rank's output as the head's daemon computes it: the wave scheduler's kernel over data frames."""
+    world = len(inputs)
+    posted = [Posted(b"r%d" % r, _request(op, red, dtype, numel, out_numel, root, r, Transport.SOCKET))
+              for r in range(world)]
+    frames = {id(q): (inputs[r] if op is not CollOp.BROADCAST or r == root else inputs[r][:0]).view(np.uint8)
+              for r, q in enumerate(posted)}
+    job = make_job(Communicator("c", world), posted, lambda name: None, lambda q: frames[id(q)])
+    job.run_range(job, 0, job.total)
+    return job.outputs
+
+
+def _shares(op, red, dtype, numel, out_numel, root, inputs, host_of) -> list[Exchange]:
+    """Each host's exchange, its ranks' outputs as a rank's shared memory holds them (in place where it may)."""
+    hosts = sorted(set(host_of))
+    exchanges = []
+    for h in hosts:
+        layout = Layout([f"h{j}" for j in hosts], list(host_of), h)
+        mine = layout.mine
+        posted = [Posted(b"r%d" % r, _request(op, red, dtype, numel, out_numel, root, i)) for i, r in enumerate(mine)]
+        ins = [inputs[r].copy() for r in mine]
+        if op in (CollOp.ALLREDUCE, CollOp.BROADCAST):
+            outs = [ins[0]] + [np.zeros_like(x) for x in ins[1:]]  # the first in place, as in its arena
+        else:
+            outs = [np.zeros(out_numel, ins[0].dtype) for _ in mine]
+        exchanges.append(Exchange(Share(posted[0].request, posted, ins, outs), layout))
+    return exchanges
 
 
 def _run(exchanges: list[Exchange], seed: int) -> None:
@@ -68,55 +96,126 @@ def _run(exchanges: list[Exchange], seed: int) -> None:
         ex.deliver()
 
 
-@pytest.mark.parametrize("hosts,ranks,numel", [(2, 1, 1000), (2, 2, 999), (3, 1, 1001), (4, 3, 517), (3, 2, 2)])
-@pytest.mark.parametrize("dtype", ["float32", "int64", "bfloat16"])
-def test_every_rank_of_every_host_gets_the_reduction(monkeypatch, hosts, ranks, numel, dtype):
-    monkeypatch.setattr(host_exchange, "CHUNK_BYTES", 64)  # many chunks per segment
-    monkeypatch.setattr(host_exchange, "TURN_BYTES", 200)  # several turns of local work
-    rng = np.random.default_rng(hosts * 100 + ranks)
-    bound = 10 if dtype == "bfloat16" else 50  # small integers, and sums bfloat16 holds exactly (up to 256)
-    values = rng.integers(-bound, bound, size=(hosts, ranks, numel))
-    storage = kernels.DTYPES[dtype]
-    if dtype == "bfloat16":
-        as_bits = lambda v: (v.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)  # noqa: E731
-        inputs = [[as_bits(values[h, r]) for r in range(ranks)] for h in range(hosts)]
+def _values(rng, dtype: str, shape, integral: bool) -> np.ndarray:
+    """Inputs in the dtype's storage: small integers (sums every order rounds alike) or random floats."""
+    if integral or kernels.DTYPES[dtype].kind in "iub":
+        values = rng.integers(-10, 10, size=shape).astype(np.float64)
     else:
-        inputs = [[values[h, r].astype(storage) for r in range(ranks)] for h in range(hosts)]
-    exchanges = [_exchange(hosts, h, inputs[h], dtype, ReduceOp.SUM) for h in range(hosts)]
-    _run(exchanges, seed=numel)
-    want = values.sum(axis=(0, 1))
+        values = rng.standard_normal(shape) * 100
+    if dtype == "bfloat16":
+        return (values.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    return values.astype(kernels.DTYPES[dtype])
+
+
+def _check(op, red, dtype, numel, out_numel, root, host_of, integral=True, seed=0):
+    rng = np.random.default_rng(seed)
+    world = len(host_of)
+    inputs = list(_values(rng, dtype, (world, numel), integral))
+    want = _head(op, red, dtype, numel, out_numel, root, inputs)
+    exchanges = _shares(op, red, dtype, numel, out_numel, root, inputs, host_of)
+    _run(exchanges, seed=numel + world)
     for ex in exchanges:
-        for out in ex.job.targets:
-            got = (out.astype(np.uint32) << 16).view(np.float32) if dtype == "bfloat16" else out
-            np.testing.assert_array_equal(got, want)
+        for r, out in zip(ex.layout.mine, ex.share.outputs):
+            assert out.tobytes() == want[r].tobytes(), f"rank {r} on host {ex.me}"
 
 
-def test_max_across_three_hosts():
-    values = [np.array([1.0, 9.0, -3.0, 4.0], np.float32), np.array([2.0, 0.0, -1.0, 8.0], np.float32),
-              np.array([0.5, 5.0, -7.0, 1.0], np.float32)]
-    exchanges = [_exchange(3, h, [values[h].copy()], "float32", ReduceOp.MAX) for h in range(3)]
+#: where the ranks run: two hosts in blocks, interleaved, three hosts unevenly, four with one rank each
+LAYOUTS = [(0, 1), (0, 0, 1, 1), (0, 1, 0, 1), (0, 0, 1, 2, 2, 2), (0, 1, 2, 3)]
+DTYPES = ["float32", "bfloat16", "float16", "int64"]
+
+
+@pytest.fixture(autouse=True)
+def tiny_chunks(monkeypatch):
+    monkeypatch.setattr(host_exchange, "CHUNK_BYTES", 64)  # many chunks per piece
+    monkeypatch.setattr(host_exchange, "TURN_BYTES", 200)  # several turns of local work
+
+
+@pytest.mark.parametrize("host_of", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("red", [ReduceOp.SUM, ReduceOp.AVG])
+@pytest.mark.parametrize("numel", [999, 2])
+def test_an_all_reduce_equals_the_head_s(host_of, dtype, red, numel):
+    _check(CollOp.ALLREDUCE, red, dtype, numel, numel, 0, host_of)
+
+
+@pytest.mark.parametrize("host_of", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("red", [ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MAX])
+@pytest.mark.parametrize("share", [1, 37, 257])
+def test_a_reduce_scatter_equals_the_head_s(host_of, dtype, red, share):
+    world = len(host_of)
+    _check(CollOp.REDUCE_SCATTER, red, dtype, share * world, share, 0, host_of)
+
+
+@pytest.mark.parametrize("host_of", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES + ["bool", "int8"])
+@pytest.mark.parametrize("numel", [1, 37, 301])
+def test_an_all_gather_equals_the_head_s(host_of, dtype, numel):
+    _check(CollOp.ALLGATHER, ReduceOp.SUM, dtype, numel, numel * len(host_of), 0, host_of, integral=False)
+
+
+@pytest.mark.parametrize("host_of", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("numel", [1, 1001])
+def test_a_broadcast_equals_the_head_s_from_every_root(host_of, dtype, numel):
+    for root in range(len(host_of)):
+        _check(CollOp.BROADCAST, ReduceOp.SUM, dtype, numel, numel, root, host_of, integral=False, seed=root)
+
+
+@pytest.mark.parametrize("op", [CollOp.ALLREDUCE, CollOp.REDUCE_SCATTER])
+@pytest.mark.parametrize("red", [ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MIN, ReduceOp.PRODUCT])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
+def test_random_floats_with_one_rank_per_host_reduce_in_the_head_s_order(op, red, dtype):
+    """The owner reduces the hosts' partials in host order: with one rank per host, rank by rank as the head."""
+    host_of = (0, 1, 2)
+    _check(op, red, dtype, 3 * 211, 211 if op is CollOp.REDUCE_SCATTER else 3 * 211, 0, host_of, integral=False)
+
+
+def test_an_integer_average_truncates_toward_zero_as_nccl():
+    """-7 / 4 is -1 on the GPU (C's division), not -2 (floor): summed on every host, divided once."""
+    inputs = [np.array([-7, 7, -8, 5], np.int32), np.array([0, 0, 0, 0], np.int32),
+              np.array([0, 0, 0, 1], np.int32), np.array([0, 0, 0, 1], np.int32)]
+    exchanges = _shares(CollOp.ALLREDUCE, ReduceOp.AVG, "int32", 4, 4, 0, inputs, (0, 0, 1, 1))
     _run(exchanges, seed=1)
     for ex in exchanges:
-        np.testing.assert_array_equal(ex.out, np.max(values, axis=0))
+        for out in ex.share.outputs:
+            np.testing.assert_array_equal(out, [-1, 1, -2, 1])
 
 
 def test_a_chunk_of_another_collective_or_off_the_plan_is_refused():
-    ex = _exchange(2, 0, [np.zeros(100, np.float32)], "float32", ReduceOp.SUM)
-    lo, hi = segments(100, 2)[0]
-    other = p.PeerChunk(comm="c", seq=3, phase=p.PeerPhase.PARTIAL, dtype="float64", numel=100, at=lo, count=hi - lo)
+    x = [np.zeros(100, np.float32)] * 2
+    ex = _shares(CollOp.ALLREDUCE, ReduceOp.SUM, "float32", 100, 100, 0, x, (0, 1))[0]
+    other = p.PeerChunk(comm="c", seq=3, phase=p.PeerPhase.PARTIAL, dtype="float64", numel=100, at=0, count=50)
     with pytest.raises(ExchangeError, match="float64"):
-        ex.take(1, other, Frame(np.zeros(hi - lo, np.float64)), lambda *a: None)
-    skewed = p.PeerChunk(comm="c", seq=3, phase=p.PeerPhase.PARTIAL, numel=100, at=lo + 1, count=hi - lo - 1)
+        ex.take(1, other, Frame(np.zeros(50, np.float64)), lambda *a: None)
+    skewed = p.PeerChunk(comm="c", seq=3, phase=p.PeerPhase.PARTIAL, numel=100, at=1, count=15)
     with pytest.raises(ExchangeError, match="not a chunk of its plan"):
-        ex.take(1, skewed, Frame(np.zeros(hi - lo - 1, np.float32)), lambda *a: None)
+        ex.take(1, skewed, Frame(np.zeros(15, np.float32)), lambda *a: None)
     # a result for a segment the sender does not own
-    stolen = p.PeerChunk(comm="c", seq=3, phase=p.PeerPhase.REDUCED, numel=100, at=lo, count=hi - lo)
+    stolen = p.PeerChunk(comm="c", seq=3, phase=p.PeerPhase.RESULT, numel=100, at=0, count=16)
     with pytest.raises(ExchangeError, match="not a chunk of its plan"):
-        ex.take(1, stolen, Frame(np.zeros(hi - lo, np.float32)), lambda *a: None)
+        ex.take(1, stolen, Frame(np.zeros(16, np.float32)), lambda *a: None)
+
+
+@pytest.mark.parametrize("op,phase", [(CollOp.ALLGATHER, p.PeerPhase.PARTIAL),
+                                      (CollOp.REDUCE_SCATTER, p.PeerPhase.RESULT)])
+def test_a_phase_its_kind_does_not_send_is_refused(op, phase):
+    """An all-gather has no partials to reduce; a reduce-scatter's owner sends no result on."""
+    x = [np.zeros(32, np.float32)] * 2
+    out_numel = 64 if op is CollOp.ALLGATHER else 16
+    ex = _shares(op, ReduceOp.SUM, "float32", 32, out_numel, 0, x, (0, 1))[0]
+    at = 32 if op is CollOp.ALLGATHER else 0  # host 1's piece, or host 0's own
+    msg = p.PeerChunk(comm="c", seq=3, phase=phase, op=op, numel=32, at=at, count=16)
+    with pytest.raises(ExchangeError, match="not a chunk of its plan"):
+        ex.take(1, msg, Frame(np.zeros(16, np.float32)), lambda *a: None)
 
 
 def test_it_waits_on_the_hosts_whose_chunks_are_missing():
-    exchanges = [_exchange(3, h, [np.ones(30, np.float32)], "float32", ReduceOp.SUM) for h in range(3)]
+    x = [np.ones(30, np.float32)] * 3
+    exchanges = _shares(CollOp.ALLREDUCE, ReduceOp.SUM, "float32", 30, 30, 0, x, (0, 1, 2))
     assert exchanges[0].waiting_on() == {1, 2}
     exchanges[0].advance(lambda *a: None)
     assert exchanges[0].waiting_on() == {1, 2} and not exchanges[0].finished
+    # a broadcast from host 0 waits on nobody there, and on host 0 everywhere else
+    bcast = _shares(CollOp.BROADCAST, ReduceOp.SUM, "float32", 30, 30, 0, x, (0, 1, 2))
+    assert bcast[0].waiting_on() == set() and bcast[1].waiting_on() == {0} == bcast[2].waiting_on()

@@ -121,34 +121,37 @@ def check_reduce(op: ReduceOp, dtype: str) -> None:
         raise KernelError(f"reduce op {op.value} is not defined for bool")
 
 
-def reduce(parts: list[np.ndarray], op: ReduceOp, dtype: str) -> np.ndarray:
-    """Reduce equally-shaped typed views element-wise; returns a new array."""
+def reduce(parts: list[np.ndarray], op: ReduceOp, dtype: str, count: int | None = None) -> np.ndarray:
+    """Reduce equally-shaped typed views element-wise; returns a new array. ``count``: how many ranks an average
+    divides by, where ``parts`` are partial sums of several (across hosts); the parts by default."""
     check_reduce(op, dtype)
     fn = _BOOL_BINARY[op] if dtype == "bool" else _BINARY[op]
     acc = np.array(_to_compute(parts[0], dtype), copy=True)
     for p in parts[1:]:
         fn(acc, _to_compute(p, dtype), out=acc)
-    _average(acc, op, len(parts))
+    _average(acc, op, count or len(parts))
     return _from_compute(acc, dtype)
 
 
-def reduce_into(parts: list[np.ndarray], op: ReduceOp, dtype: str, out: np.ndarray) -> None:
-    """Reduce equally-shaped typed views element-wise into ``out`` (which may be ``parts[0]``).
+def reduce_into(parts: list[np.ndarray], op: ReduceOp, dtype: str, out: np.ndarray, count: int | None = None) -> None:
+    """Reduce equally-shaped typed views element-wise into ``out`` (which may alias the first two parts).
 
     Straight into the output, one pass per input, where the storage dtype is
     the compute dtype: no temporary to fill and copy (bfloat16 goes through
-    :func:`reduce`'s float32 accumulator). ``out`` must not alias any of
-    ``parts[1:]``: each is read after ``out`` has been written.
+    :func:`reduce`'s float32 accumulator). ``out`` may be ``parts[0]`` or
+    ``parts[1]`` (the first step reads both, element by element, before it
+    writes), not a later one: each is read after ``out`` has been written.
+    ``count``: as for :func:`reduce`.
     """
     if dtype == "bfloat16" or len(parts) < 2:
-        out[...] = reduce(parts, op, dtype)
+        out[...] = reduce(parts, op, dtype, count)
         return
     check_reduce(op, dtype)
     fn = _BOOL_BINARY[op] if dtype == "bool" else _BINARY[op]
     fn(parts[0], parts[1], out=out)
     for p in parts[2:]:
         fn(out, p, out=out)
-    _average(out, op, len(parts))
+    _average(out, op, count or len(parts))
 
 
 def _average(acc: np.ndarray, op: ReduceOp, n: int) -> None:

@@ -166,6 +166,9 @@ class CommInit(Request):
     # a host daemon's share of a communicator across hosts: the hosts of its members (hostnames, in the
     # order of each one's first rank); ``rank`` and ``size`` then count the members on this host only
     hosts: list[str] = field(default_factory=list)
+    # and the host of every rank of the communicator (an index into ``hosts``), so that each host daemon knows
+    # which ranks' pieces of an all-gather, a reduce-scatter or a broadcast come from or go to which host
+    host_of: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

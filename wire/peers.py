@@ -30,10 +30,10 @@ MAX_PEER_FRAME_BYTES = 4 << 20
 
 
 class PeerPhase(str, Enum):
-    """Which half of an all-reduce across hosts a chunk belongs to."""
+    """What a chunk of a collective across hosts is (``emulator.host_exchange``)."""
 
-    PARTIAL = "partial"  # the sender's ranks reduced: for the host whose segment it is, to reduce with the others
-    REDUCED = "reduced"  # every host's ranks reduced: the segment's owner sends it to every other host
+    PARTIAL = "partial"  # the sender's ranks reduced: for the host that owns the piece, to reduce with the others
+    RESULT = "result"  # a finished piece (reduced, or a rank's input to copy): its owner sends it to every other host
 
 
 @dataclass(frozen=True)

@@ -105,10 +105,10 @@ class MirageProcessGroup(dist.ProcessGroup):
         reply = client.request(init)
         if isinstance(reply, s.Error):
             raise nccl_error(reply.code, reply.message, RUNTIME.device.current)
-        # members on several hosts: this host's daemon may carry its all-reduces' data, the head's keeps the books
+        # members on several hosts: this host's daemon may carry their data, the head's keeps the books
         across = None
         if chosen.hosts:
-            across = across_hosts.share(self._comm, chosen.hosts, chosen.here, RUNTIME.host_client(), init)
+            across = across_hosts.share(self._comm, chosen, RUNTIME.host_client(), init)
         self._paths = Paths(self._comm, path, across)
 
     # -- identity (functional collectives, DTensor and FSDP2 look groups up by name)

@@ -94,7 +94,7 @@ class Settings:
     zero_copy: str = "reuse"
     #: MIRAGE_ZERO_COPY_MIN_BYTES: the smallest tensor taken zero-copy
     zero_copy_min_bytes: int = 256 << 10
-    #: MIRAGE_ACROSS_HOSTS_MIN_BYTES: all-reduces across hosts from this size go host daemon to host daemon;
+    #: MIRAGE_ACROSS_HOSTS_MIN_BYTES: collectives across hosts from this size go host daemon to host daemon;
     #: smaller ones take the head's one round trip, which costs less (``shim.transport.across_hosts``)
     across_hosts_min_bytes: int = 256 << 10
     #: MIRAGE_DIRECT_MAX_BYTES: the largest collective taken rank to rank, as given (0: off); checked where

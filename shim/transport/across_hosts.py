@@ -1,24 +1,26 @@
-"""A communicator across hosts: its all-reduces go host daemon to host daemon, the head keeping the books.
+"""A communicator across hosts: its collectives' data goes host daemon to host daemon, the head keeping the books.
 
 In a multi-host run a communicator whose members span hosts is the head's
 daemon's (``transports.route``): its books — every rank's arrival, sequence
 and shape, the hang and desync checks, the events every reader folds — are
-kept there. Its all-reduces' bytes need not go there: as RCCL reduces inside a
-node and crosses the network between nodes, :class:`AcrossHostsTransport`
-hands each one to this host's daemon over shared memory (staged in the rank's
+kept there. The bytes of its all-reduces, reduce-scatters, all-gathers and
+broadcasts need not go there: as RCCL reduces inside a node and crosses the
+network between nodes, :class:`AcrossHostsTransport` hands each one to this
+host's daemon over shared memory (staged in the rank's
 arena, or its own tensor lent: :class:`~shim.transport.transports.ArenaTransport`,
 as a communicator inside the host), whose share of the communicator holds this
-host's members only; the host daemons reduce their members and exchange the
-segments among themselves (``emulator/across_hosts.py``). The head's daemon
+host's members only; the host daemons reduce (or gather) their members and
+exchange the pieces among themselves (``emulator/across_hosts.py``,
+``emulator/exchange_kinds.py``). The head's daemon
 gets the same request without data (``Transport.HOSTS``): it matches it with
 the other ranks' and publishes it, and answers only when something is wrong —
 a hang, a desync, a dead peer — which the rank watches for while it waits.
 
 Only what every rank decides alike takes this path (so both daemons' orders
-agree): all-reduces of a dtype the kernels reduce, with a reduction that splits
-across hosts, of at least ``MIRAGE_ACROSS_HOSTS_MIN_BYTES`` (256 KiB: below it the
-head's one round trip costs less than the host daemons' exchange, 1.2 against 3.6
-ms at 4 KiB on 2 hosts, docs/scaling.md), never a communicator's first collective (which connects it: its
+agree): those four collectives, of a dtype the kernels know, whose input or output
+holds at least ``MIRAGE_ACROSS_HOSTS_MIN_BYTES`` (256 KiB: below it the head's one
+round trip costs less than the host daemons' exchange, 1.2 against 3.6 ms for a
+4 KiB all-reduce on 2 hosts, docs/scaling.md), never a communicator's first collective (which connects it: its
 devices are checked and ``NCCL_DEBUG`` prints its rings from the head's answer),
 in functional mode (clocked time needs every rank's readiness, which only the
 head's daemon has). The rest goes the communicator's own way, to the head's daemon.
@@ -33,12 +35,12 @@ from shim.rank.runtime import RUNTIME
 from shim.transport import nccl_debug, stream
 from shim.transport.nccl_errors import nccl_error
 from shim.transport.stream import Pending
-from shim.transport.transports import ArenaTransport, Call, Comm, Transport
+from shim.transport.transports import ArenaTransport, Call, Comm, Route, Transport
 from wire import kernels
 from wire import schema as s
 
-#: Reductions the host daemons split (an average would divide on every host): ``emulator/across_hosts.py``.
-REDUCE_OPS = (s.ReduceOp.SUM, s.ReduceOp.PRODUCT, s.ReduceOp.MIN, s.ReduceOp.MAX)
+#: What goes host daemon to host daemon (``emulator/exchange_kinds.py``: ``KINDS``).
+OPS = (s.CollOp.ALLREDUCE, s.CollOp.REDUCE_SCATTER, s.CollOp.ALLGATHER, s.CollOp.BROADCAST)
 #: How often a rank waiting on its host's daemon looks for an error from the head's.
 BOOKS_CHECK_S = 0.05
 
@@ -53,8 +55,9 @@ class AcrossHostsTransport(Transport):
 
     def takes(self, call: Call) -> bool:
         """Whether ``call`` goes host daemon to host daemon (every rank answers alike: see the module)."""
-        return (bool(self.comm.seq) and call.op is s.CollOp.ALLREDUCE and call.reduce_op in REDUCE_OPS
-                and call.staged_numel * call.dtype.itemsize >= max(RUNTIME.settings.across_hosts_min_bytes, 1)
+        size = max(call.staged_numel, call.out_numel) * call.dtype.itemsize  # the collective's, every rank's alike
+        return (bool(self.comm.seq) and call.op in OPS
+                and size >= max(RUNTIME.settings.across_hosts_min_bytes, 1)
                 and str(call.dtype).removeprefix("torch.") in kernels.DTYPES)
 
     def post(self, call: Call) -> Pending:
@@ -93,18 +96,19 @@ class AcrossHostsTransport(Transport):
         self.part.release(p)
 
 
-def share(comm: Comm, hosts: tuple[str, ...], here: tuple[int, ...], client: cl.DaemonClient,
-          init: s.CommInit) -> AcrossHostsTransport | None:
-    """Join this host's daemon's share of ``comm`` (members ``here`` of those on ``hosts``) and return the
-    transport that carries its all-reduces that way; None where the run keeps them with the head's daemon
-    (clocked or estimate mode, or P2P and SHM disabled). ``init`` is the rank's ``CommInit`` to the head."""
+def share(comm: Comm, route: Route, client: cl.DaemonClient, init: s.CommInit) -> AcrossHostsTransport | None:
+    """Join this host's daemon's share of ``comm`` (its members here, ``route.here``, of those on ``route.hosts``)
+    and return the transport that carries its collectives that way; None where the run keeps them with the
+    head's daemon (clocked or estimate mode, or P2P and SHM disabled). ``init`` is the rank's ``CommInit`` to
+    the head."""
     if RUNTIME.settings.clocked or RUNTIME.settings.estimate or nccl_debug.net_only():
         return None
+    here = route.here
     part = Comm(comm.id, here.index(comm.rank), len(here), client, comm.timeout_s, comm.start_stride,
                 group_name=comm.group_name, group_desc=comm.group_desc)
     reply = client.request(s.CommInit(comm=comm.id, rank=part.rank, size=part.size, global_rank=init.global_rank,
                                       node=init.node, host=init.host, transport="shm", name=init.name,
-                                      desc=init.desc, hosts=list(hosts)))
+                                      desc=init.desc, hosts=list(route.hosts), host_of=list(route.host_of)))
     if isinstance(reply, s.Error):
         raise nccl_error(reply.code, reply.message, RUNTIME.device.current)
     return AcrossHostsTransport(comm, part)

@@ -23,7 +23,7 @@ class Paths:
 
     def __init__(self, comm: Comm, data_path: str | None, across: AcrossHostsTransport | None = None):
         """``data_path``: ``"shm"`` or ``"socket"`` (:func:`data_path`), None in process; ``across``: a
-        communicator across hosts whose all-reduces may go host daemon to host daemon."""
+        communicator across hosts whose collectives may go host daemon to host daemon."""
         self.comm = comm
         self.across = across
         if data_path is None:
@@ -38,8 +38,8 @@ class Paths:
 
     def path(self, call: Call) -> Transport:
         """Which transport carries ``call``: rank to rank if it is small enough and may, host daemon to host
-        daemon if it is an all-reduce across hosts, else the communicator's own (shared memory, with
-        zero-copy decided there, or the socket)."""
+        daemon if it is an all-reduce, reduce-scatter, all-gather or broadcast across hosts, else the
+        communicator's own (shared memory, with zero-copy decided there, or the socket)."""
         if self.shapes is not None and any(t.is_meta for t in call.inputs):
             return self.shapes  # estimate mode: tensors without values
         if self.direct is not None and self.direct.takes(call):

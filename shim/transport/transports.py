@@ -19,8 +19,8 @@ carries the transport, which later completes it (``shim/transport/stream.py``).
   daemon, told afterwards, only keeps the books.
 - :class:`InProcessTransport` — ``--in-process``: one rank, no daemon.
 - ``AcrossHostsTransport`` (``shim/transport/across_hosts.py``) — a communicator across hosts (``--launcher
-  slurm``): its all-reduces go through this host's daemon over shared memory, host daemon to host daemon
-  between hosts; the head's daemon keeps the books.
+  slurm``): its all-reduces, reduce-scatters, all-gathers and broadcasts go through this host's daemon over
+  shared memory, host daemon to host daemon between hosts; the head's daemon keeps the books.
 - ``ShapesTransport`` (``shim/transport/shapes.py``) — estimate mode: tensors without values, the request
   alone.
 
@@ -433,10 +433,11 @@ class Route:
 
     path: str  # "shm" or "socket"
     client: cl.DaemonClient
-    # members on several hosts (a multi-host run): their hosts, in the order of each one's first rank, and the
-    # communicator's ranks on this host; else empty
+    # members on several hosts (a multi-host run): their hosts, in the order of each one's first rank, the
+    # communicator's ranks on this host, and each rank's host (an index into ``hosts``); else empty
     hosts: tuple[str, ...] = ()
     here: tuple[int, ...] = ()
+    host_of: tuple[int, ...] = ()
 
 
 def route(store: dist.Store, comm: str, rank: int, size: int, node: str) -> Route:
@@ -468,7 +469,8 @@ def route(store: dist.Store, comm: str, rank: int, size: int, node: str) -> Rout
     if here is None:
         return Route("shm" if one_node and not over_tcp else "socket", head)
     hosts = tuple(dict.fromkeys(h for _, h in members))
-    return Route("socket", head, hosts, tuple(r for r, (_, h) in enumerate(members) if h == me))
+    return Route("socket", head, hosts, tuple(r for r, (_, h) in enumerate(members) if h == me),
+                 tuple(hosts.index(h) for _, h in members))
 
 
 @atexit.register
