@@ -156,49 +156,49 @@ class Clock:
         # torch's function modes off while it reads the tensors' metadata: the shim's CudaMode would run
         # Python for every stride(), storage and size asked for (most of what pricing an op cost)
         with _NO_TORCH_FUNCTION():
-            self._charge(func, args, kwargs, out)
-
-    def _charge(self, func, args, kwargs, out) -> None:
-        gpu = None
-        deps = 0.0
-        ready_at = self.ready_at
-        for a in args:
-            g = getattr(a, "_gpu", None)
-            if g is None:
-                continue
-            if gpu is None:
-                gpu = g
-            if ready_at:
-                try:
-                    t = ready_at.get(storage_key(a._elem))
-                except RuntimeError:  # a storage torch invalidated (DTensor's chunk-and-cat views): no collective wrote it
+            gpu = None
+            deps = 0.0
+            ready_at = self.ready_at
+            for a in args:
+                # (a tensor first: getattr on an int or a list would make and drop an AttributeError)
+                g = getattr(a, "_gpu", None) if isinstance(a, torch.Tensor) else None
+                if g is None:
                     continue
-                if t is not None and t > deps:
-                    deps = t
-        if gpu is None:
-            gpu = getattr(out, "_gpu", None)
+                if gpu is None:
+                    gpu = g
+                if ready_at:
+                    try:
+                        t = ready_at.get(storage_key(a._elem))
+                    except RuntimeError:  # a storage torch invalidated (DTensor's chunk-and-cat views): no collective wrote it
+                        continue
+                    if t is not None and t > deps:
+                        deps = t
             if gpu is None:
+                gpu = getattr(out, "_gpu", None) if isinstance(out, torch.Tensor) else None
+                if gpu is None:
+                    return
+            if id(func) in _SCALAR_READS:  # .item() and friends: a few bytes to the host, which waits
+                self._copy(func, gpu, 8, deps, to_host=True)
                 return
-        if id(func) in _SCALAR_READS:  # .item() and friends: a few bytes to the host, which waits
-            self._copy(func, gpu, 8, deps, to_host=True)
-            return
-        if isinstance(out, torch.Tensor) and not hasattr(out, "_gpu") and out.device.type == "cpu":
-            self._copy(func, gpu, out.numel() * out.element_size(), deps, to_host=True)
-            return
-        self._advance(gpu, func, self.costs.cost(func, args, kwargs, out), deps)
+            if isinstance(out, torch.Tensor) and not hasattr(out, "_gpu") and out.device.type == "cpu":
+                self._copy(func, gpu, out.numel() * out.element_size(), deps, to_host=True)
+                return
+            self._advance(gpu, func, self.costs.cost(func, args, kwargs, out), deps)
 
     def charge_priced(self, gpu: int, func, cost: OpCost, inputs: tuple) -> None:
         """As :meth:`charge`, for an op on ``gpu`` already priced (the C++ fast dispatch's table of costs,
         shim/native/fast_dispatch.cpp): ``inputs`` are its emulated arguments, which a collective may
         still be writing."""
-        self._advance(gpu, func, cost, self._written_at(inputs))
+        self._advance(gpu, func, cost, self._written_at(inputs) if self.ready_at else 0.0)
 
     def _advance(self, gpu: int, func, cost: OpCost, deps: float) -> None:
         """Run the kernel ``func`` priced ``cost`` on the current stream of ``gpu``, from ``deps`` at the earliest."""
+        # (called for every op: _record, _name and _issued written out here, a Python call each saved)
         seconds = cost.seconds
         if not seconds:
             return
         stream = self.stream_of(gpu)
+        name = self.names.get(id(func)) or self._name(func)
         with self.lock:
             key = (gpu, stream)
             start = max(self.streams.get(key, 0.0), self.host, deps)
@@ -207,7 +207,11 @@ class Clock:
             self.ops += 1
             if not cost.has_formula:
                 self.bytes_only_ops += 1
-            self._record(("compute", self._name(func), gpu, stream, start, end, cost.trace_args, self._issued(start)))
+            if len(self.events) < MAX_TRACE_EVENTS:
+                self.events.append(("compute", name, gpu, stream, start, end, cost.trace_args,
+                                    min(start, max(self.host, self.step_start))))
+            else:
+                self.dropped += 1
 
     def fused(self, gpu: int, kernels: list) -> None:
         """A compiled graph's kernels, one after another on the current stream of ``gpu``.

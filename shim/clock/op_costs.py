@@ -33,7 +33,7 @@ _NEW = 1  # a tensor not seen before in this call: type, layout, dtype, sizes, s
 _SAME = 2  # a tensor seen before in this call: the order of its first appearance
 _LIST = 3  # a list: its length, then its items
 _TUPLE = 4  # a tuple: its length, then its items
-_KWARGS = 5  # the keyword arguments: their number, then each name and value
+_KWARGS = 5  # the keyword arguments: a tuple of their names, then their values
 _OUT = 6  # what the op returned
 
 #: the types of the other arguments a signature holds by value (each compared with its type, so
@@ -47,25 +47,25 @@ class _Unsigned(Exception):
     """An argument a signature cannot hold: the call is priced afresh."""
 
 
-def _add(key: list, value, seen: dict[int, int]) -> None:
-    """Append ``value`` (an argument, a list or tuple of them, or an op's result) to the signature ``key``."""
-    if isinstance(value, torch.Tensor):
-        first = seen.get(id(value))
-        if first is not None:
-            key += (_SAME, first)
-            return
-        seen[id(value)] = len(seen)
-        layout = value.layout
-        key += (_NEW, type(value), layout, value.dtype, value.shape,
-                value.stride() if layout is _STRIDED else None)
-    elif isinstance(value, (list, tuple)):
-        key += (_LIST if isinstance(value, list) else _TUPLE, len(value))
-        for v in value:
-            _add(key, v, seen)
-    elif type(value) in _VALUE_TYPES:
-        key += (type(value), value)
-    else:
-        raise _Unsigned
+def _add(key: list, values, seen: dict[int, int]) -> None:
+    """Append each of ``values`` (arguments, lists or tuples of them, an op's results) to the signature ``key``."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            first = seen.get(id(value))
+            if first is not None:
+                key += (_SAME, first)
+                continue
+            seen[id(value)] = len(seen)
+            layout = value.layout
+            key += (_NEW, type(value), layout, value.dtype, value.shape,
+                    value.stride() if layout is _STRIDED else None)
+        elif isinstance(value, (list, tuple)):
+            key += (_LIST if isinstance(value, list) else _TUPLE, len(value))
+            _add(key, value, seen)
+        elif type(value) in _VALUE_TYPES:
+            key += (type(value), value)
+        else:
+            raise _Unsigned
 
 
 def signature(func, args, kwargs, out) -> tuple | None:
@@ -74,15 +74,12 @@ def signature(func, args, kwargs, out) -> tuple | None:
     key: list = [id(func)]  # the table keeps func (its id stays its own); OpOverload.__hash__ is Python
     seen: dict[int, int] = {}  # id of each tensor -> the order it first appeared in
     try:
-        for a in args:
-            _add(key, a, seen)
+        _add(key, args, seen)
         if kwargs:
-            key += (_KWARGS, len(kwargs))
-            for name, v in kwargs.items():
-                key.append(name)
-                _add(key, v, seen)
+            key += (_KWARGS, tuple(kwargs))  # the names, then the values in their order
+            _add(key, kwargs.values(), seen)
         key.append(_OUT)
-        _add(key, out, seen)
+        _add(key, (out,), seen)
     except _Unsigned:
         return None
     return tuple(key)
