@@ -39,10 +39,12 @@ from types import MappingProxyType
 
 import torch
 
-from shim.clock.roofline import OpCost, kernel_cost, op_cost
+from shim.clock.op_costs import OpCosts
+from shim.clock.roofline import OpCost, kernel_cost
 from shim.device.storages import storage_key
 from shim.rank.runtime import RUNTIME
 from wire.profiles import Profile
+from wire.schema import StepReport
 
 #: Kernels and collectives kept for the trace, per rank; past it the step figures still count them.
 MAX_TRACE_EVENTS = 500_000
@@ -59,6 +61,7 @@ _COLL_NAMES = MappingProxyType({
     "send": "send", "recv": "recv"})
 
 _aten = torch.ops.aten
+_NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
 # by id: OpOverload.__hash__ is a Python method, and charge() asks of every op
 _SCALAR_READS = frozenset(id(op) for op in (_aten._local_scalar_dense.default, _aten.equal.default,
                                               _aten.is_nonzero.default))
@@ -104,6 +107,7 @@ class Clock:
 
     def __init__(self, profile: Profile):
         self.profile = profile
+        self.costs = OpCosts(profile)  # the ops priced in Python, by signature
         self.lock = threading.Lock()
         self.streams: dict[tuple[int, int], float] = {}  # (gpu, stream id) -> when its last kernel ends
         self.host = 0.0  # when the host may issue its next kernel (it waits only where it synchronises)
@@ -149,46 +153,52 @@ class Clock:
 
     def charge(self, func, args, kwargs, out) -> None:
         """Advance the current stream by the kernel ``func(*args, **kwargs) -> out`` (a dispatched aten op)."""
-        gpu = None
-        deps = 0.0
-        ready_at = self.ready_at
-        for a in args:
-            g = getattr(a, "_gpu", None)
-            if g is None:
-                continue
-            if gpu is None:
-                gpu = g
-            if ready_at:
-                try:
-                    t = ready_at.get(storage_key(a._elem))
-                except RuntimeError:  # a storage torch invalidated (DTensor's chunk-and-cat views): no collective wrote it
+        # torch's function modes off while it reads the tensors' metadata: the shim's CudaMode would run
+        # Python for every stride(), storage and size asked for (most of what pricing an op cost)
+        with _NO_TORCH_FUNCTION():
+            gpu = None
+            deps = 0.0
+            ready_at = self.ready_at
+            for a in args:
+                # (a tensor first: getattr on an int or a list would make and drop an AttributeError)
+                g = getattr(a, "_gpu", None) if isinstance(a, torch.Tensor) else None
+                if g is None:
                     continue
-                if t is not None and t > deps:
-                    deps = t
-        if gpu is None:
-            gpu = getattr(out, "_gpu", None)
+                if gpu is None:
+                    gpu = g
+                if ready_at:
+                    try:
+                        t = ready_at.get(storage_key(a._elem))
+                    except RuntimeError:  # a storage torch invalidated (DTensor's chunk-and-cat views): no collective wrote it
+                        continue
+                    if t is not None and t > deps:
+                        deps = t
             if gpu is None:
+                gpu = getattr(out, "_gpu", None) if isinstance(out, torch.Tensor) else None
+                if gpu is None:
+                    return
+            if id(func) in _SCALAR_READS:  # .item() and friends: a few bytes to the host, which waits
+                self._copy(func, gpu, 8, deps, to_host=True)
                 return
-        if id(func) in _SCALAR_READS:  # .item() and friends: a few bytes to the host, which waits
-            self._copy(func, gpu, 8, deps, to_host=True)
-            return
-        if isinstance(out, torch.Tensor) and not hasattr(out, "_gpu") and out.device.type == "cpu":
-            self._copy(func, gpu, out.numel() * out.element_size(), deps, to_host=True)
-            return
-        self._advance(gpu, func, op_cost(func, args, kwargs, out, self.profile), deps)
+            if isinstance(out, torch.Tensor) and not hasattr(out, "_gpu") and out.device.type == "cpu":
+                self._copy(func, gpu, out.numel() * out.element_size(), deps, to_host=True)
+                return
+            self._advance(gpu, func, self.costs.cost(func, args, kwargs, out), deps)
 
     def charge_priced(self, gpu: int, func, cost: OpCost, inputs: tuple) -> None:
         """As :meth:`charge`, for an op on ``gpu`` already priced (the C++ fast dispatch's table of costs,
         shim/native/fast_dispatch.cpp): ``inputs`` are its emulated arguments, which a collective may
         still be writing."""
-        self._advance(gpu, func, cost, self._written_at(inputs))
+        self._advance(gpu, func, cost, self._written_at(inputs) if self.ready_at else 0.0)
 
     def _advance(self, gpu: int, func, cost: OpCost, deps: float) -> None:
         """Run the kernel ``func`` priced ``cost`` on the current stream of ``gpu``, from ``deps`` at the earliest."""
+        # (called for every op: _record, _name and _issued written out here, a Python call each saved)
         seconds = cost.seconds
         if not seconds:
             return
         stream = self.stream_of(gpu)
+        name = self.names.get(id(func)) or self._name(func)
         with self.lock:
             key = (gpu, stream)
             start = max(self.streams.get(key, 0.0), self.host, deps)
@@ -197,7 +207,11 @@ class Clock:
             self.ops += 1
             if not cost.has_formula:
                 self.bytes_only_ops += 1
-            self._record(("compute", self._name(func), gpu, stream, start, end, cost.trace_args, self._issued(start)))
+            if len(self.events) < MAX_TRACE_EVENTS:
+                self.events.append(("compute", name, gpu, stream, start, end, cost.trace_args,
+                                    min(start, max(self.host, self.step_start))))
+            else:
+                self.dropped += 1
 
     def fused(self, gpu: int, kernels: list) -> None:
         """A compiled graph's kernels, one after another on the current stream of ``gpu``.
@@ -235,11 +249,12 @@ class Clock:
         deps = 0.0
         if not self.ready_at:
             return deps
-        for t in tensors:
-            try:
-                deps = max(deps, self.ready_at.get(storage_key(t._elem), 0.0))
-            except RuntimeError:  # a storage torch invalidated: no collective wrote it
-                continue
+        with _NO_TORCH_FUNCTION():  # (the shim's CudaMode would run Python for each storage asked for)
+            for t in tensors:
+                try:
+                    deps = max(deps, self.ready_at.get(storage_key(t._elem), 0.0))
+                except RuntimeError:  # a storage torch invalidated: no collective wrote it
+                    continue
         return deps
 
     def copy_to_device(self, gpu: int, nbytes: int) -> None:
@@ -361,11 +376,16 @@ def _send_step(report: dict) -> None:
     """Tell the daemon (unanswered); a rank without one (a test, in process) keeps its figures."""
     if not RUNTIME.settings.has_daemon:
         return
-    from wire.schema import StepReport
-
     rank = _global_rank()
     try:
-        RUNTIME.client().send(StepReport(rank=rank or 0, node=RUNTIME.settings.node_rank, **report), reply=False)
+        client = RUNTIME.client()
+        msg = StepReport(rank=rank or 0, node=RUNTIME.settings.node_rank, **report)
+        # with the rank-to-rank collectives' books, a datagram every few steps rather than two a step
+        # (sending it would flush theirs first); the daemon has it within DEFER_MAX_S, or when the rank blocks
+        if client.has_fast:
+            client.defer(msg, reply=False)
+        else:
+            client.send(msg, reply=False)
     except Exception:  # noqa: BLE001 - the daemon is gone: the run is ending and says why elsewhere
         pass
 

@@ -193,19 +193,21 @@ class DaemonClient:
             except OSError:
                 raise self._gone() from None
 
-    def defer(self, msg: s.Request) -> int:
+    def defer(self, msg: s.Request, reply: bool = True) -> int:
         """Queue ``msg`` for the daemon without sending it now; return its id, to ``wait`` or ``poll`` on as any.
 
         For requests only answered when something is wrong (rank-to-rank
-        collectives): deferred requests go out together, as one datagram of
-        lines, within ``DEFER_MAX_S`` (a thread sees to it), before any later
-        request, or at :meth:`flush` (before a rank blocks, at exit). Their
-        order is kept. Needs the fast socket (:attr:`has_fast`).
+        collectives), or never (``reply`` False: clocked mode's step reports):
+        deferred requests go out together, as one datagram of lines, within
+        ``DEFER_MAX_S`` (a thread sees to it), before any later request, or at
+        :meth:`flush` (before a rank blocks, at exit). Their order is kept.
+        Needs the fast socket (:attr:`has_fast`).
         """
         req = next(self._ids)
         line = s.encode(msg, token=self.token, req=req)
-        with self._fast_cond:
-            self._fast_stash[req] = None
+        if reply:
+            with self._fast_cond:
+                self._fast_stash[req] = None
         with self._defer_cond:
             if self._deferred and (
                 self._deferred_bytes + len(line) + 1 > s.FAST_MAX_MESSAGE_BYTES
