@@ -10,7 +10,9 @@ from __future__ import annotations
 import _collections_abc as _abc
 import gc
 import importlib
+import importlib.util
 import os
+import pkgutil
 import sys
 
 from forkserver.protocol import SERVER_ENV
@@ -71,16 +73,24 @@ def preload() -> None:
     environ = type(os.environ)
     saved = {name: environ.__dict__.get(name) for name in ("__getitem__", "get", "__contains__")}
     getitem = environ.__getitem__
+    # what the shim's own code reads as it loads (its settings, the visible devices) each rank reads again
+    # when its runtime is rebuilt (forkserver.program), so it need not agree with the server's
+    spec = importlib.util.find_spec("shim")
+    shim_dir = os.path.dirname(spec.origin) + os.sep if spec is not None and spec.origin else "\0"
+
+    def record(key, reader) -> None:
+        if not reader.f_code.co_filename.startswith(shim_dir):
+            READ_FROM_PYTHON.add(key)
 
     def get(self, key, default=None):
-        READ_FROM_PYTHON.add(key)
+        record(key, sys._getframe(1))
         try:
             return getitem(self, key)
         except KeyError:
             return default
 
     def contains(self, key):
-        READ_FROM_PYTHON.add(key)
+        record(key, sys._getframe(1))
         try:
             getitem(self, key)
         except KeyError:
@@ -88,8 +98,9 @@ def preload() -> None:
         return True
 
     def item(self, key):  # os.environ[KEY]; not a copy or walk of the whole environment (os.environ.copy())
-        if sys._getframe(1).f_code.co_filename not in _WALKERS:
-            READ_FROM_PYTHON.add(key)
+        reader = sys._getframe(1)
+        if reader.f_code.co_filename not in _WALKERS:
+            record(key, reader)
         return getitem(self, key)
 
     environ.__getitem__, environ.get, environ.__contains__ = item, get, contains  # os.getenv calls get
@@ -99,6 +110,7 @@ def preload() -> None:
                 importlib.import_module(name)
             except ImportError as e:  # a rank that needs it imports it itself (and fails as it would)
                 print(f"forkserver: not preloaded: {name}: {e}", file=sys.stderr)
+        _preload_shim()
     finally:
         for name, value in saved.items():
             if value is None:
@@ -112,3 +124,21 @@ def preload() -> None:
     gc.freeze()
 
 
+def _preload_shim() -> None:
+    """Import every module of the shim (not activate it): a rank's activation then only installs, which
+    halves its CPU, and the modules' memory is shared. Many of them name the emulated device at import,
+    which needs PrivateUse1 renamed first; the rename is the same in every rank of the session, and a
+    process that never activates the shim (torchrun's agent) never uses the device. Each rank rebuilds
+    the shim's runtime from its own settings (forkserver.program)."""
+    try:
+        import torch
+
+        import shim
+        from shim.device.state import BACKEND
+
+        torch.utils.rename_privateuse1_backend(BACKEND)
+        for info in pkgutil.walk_packages(shim.__path__, "shim."):
+            if not info.name.startswith("shim.boot"):  # sitecustomize: what a session's process runs first
+                importlib.import_module(info.name)
+    except Exception as e:  # noqa: BLE001 - each rank imports what is missing itself, and fails as it would
+        print(f"forkserver: the shim is not preloaded: {type(e).__name__}: {e}", file=sys.stderr)

@@ -138,6 +138,11 @@ def _fresh_modules(env: dict[str, str]) -> None:
     np_random = sys.modules.get("numpy.random")
     if np_random is not None:  # each process's own entropy, as at numpy's import (random reseeds itself)
         np_random.seed()
+    runtime = sys.modules.get("shim.rank.runtime")
+    if runtime is not None:  # the server preloaded the shim: this rank's settings, not the server's
+        from shim.rank.settings import Settings
+
+        runtime.RUNTIME.rebuild(Settings.from_environ(env))
     torch = sys.modules.get("torch")
     threads = env.get("OMP_NUM_THREADS", "")
     if torch is not None and threads.isdigit() and int(threads) > 0:

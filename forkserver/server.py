@@ -46,13 +46,22 @@ def refusal(h: Handover, sys0: str | None) -> str | None:
     if changed is not None:
         return f"{changed} differs from the session's"
     path = ([sys0] if sys0 is not None else []) + h.path
-    for name in PRELOAD:
-        if "." in name:
-            continue
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.origin != sys.modules[name].__spec__.origin:
+    for name in sorted({n.partition(".")[0] for n in PRELOAD} | {"shim"}):
+        if name in sys.modules and _origin(name, path) != sys.modules[name].__spec__.origin:
             return f"its sys.path finds another {name}"
     return None
+
+
+def _origin(name: str, path: list[str]) -> str | None:
+    """Where a process with ``path`` as its sys.path finds top-level package ``name``: on the path, else
+    through the other finders the server has too (mirage's own editable install: the shim, wire)."""
+    spec = importlib.machinery.PathFinder.find_spec(name, path)
+    for finder in sys.meta_path:
+        if spec is not None:
+            break
+        if finder is not importlib.machinery.PathFinder and hasattr(finder, "find_spec"):
+            spec = finder.find_spec(name, None)
+    return spec.origin if spec is not None else None
 
 
 class _Server:

@@ -196,6 +196,29 @@ def test_a_session_forks_its_ranks_unless_told_not_to(tmp_path, mode):
     assert (run_dir(tmp_path / "runs") / "forkserver.log").exists() == (mode == "on")
 
 
+PRELOADED = r'''
+import os, sys
+preloaded = "shim.tensor.wrapper" in sys.modules  # a fresh rank imports it only as torch's import activates it
+import torch
+from shim.rank.runtime import RUNTIME
+print("preloaded" if preloaded else "imported", "count", torch.cuda.device_count(), "device", RUNTIME.device is not None)
+'''
+
+
+@pytest.mark.usefixtures("no_orphans")
+def test_a_forked_rank_finds_the_shim_loaded_and_builds_its_own_runtime(tmp_path):
+    # the launcher (env) gives each rank a variable the session, and so the server, does not have: the
+    # shim the server imported read the server's environment, and each rank rebuilds from its own
+    script = tmp_path / "preloaded.py"
+    script.write_text(PRELOADED)
+    r = mirage_run(tmp_path / "runs", "--gpus-per-node", "2", "--nproc-per-node", "2", "--",
+                   "env", "CUDA_VISIBLE_DEVICES=1", "python", str(script))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "fork server cannot start" not in r.stdout + r.stderr
+    for rank in (0, 1):
+        assert f"[{rank}] preloaded count 1 device True" in r.stdout, r.stdout
+
+
 def test_a_file_left_open_is_flushed_and_exit_hooks_run(server, tmp_path):
     script = tmp_path / "leave.py"
     out = tmp_path / "left-open.txt"
