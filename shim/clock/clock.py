@@ -160,19 +160,26 @@ class Clock:
             deps = 0.0
             ready_at = self.ready_at
             for a in args:
-                # (a tensor first: getattr on an int or a list would make and drop an AttributeError)
-                g = getattr(a, "_gpu", None) if isinstance(a, torch.Tensor) else None
-                if g is None:
+                # (a tensor first: getattr on an int would make and drop an AttributeError)
+                if isinstance(a, torch.Tensor):
+                    tensors = (a,)
+                elif isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
+                    tensors = a  # a _foreach_ op's tensors (Adam's update): one kernel over them all, as on a GPU
+                else:
                     continue
-                if gpu is None:
-                    gpu = g
-                if ready_at:
-                    try:
-                        t = ready_at.get(storage_key(a._elem))
-                    except RuntimeError:  # a storage torch invalidated (DTensor's chunk-and-cat views): no collective wrote it
+                for x in tensors:
+                    g = getattr(x, "_gpu", None)
+                    if g is None:
                         continue
-                    if t is not None and t > deps:
-                        deps = t
+                    if gpu is None:
+                        gpu = g
+                    if ready_at:
+                        try:
+                            t = ready_at.get(storage_key(x._elem))
+                        except RuntimeError:  # a storage torch invalidated (DTensor's chunk-and-cat views): no collective wrote it
+                            continue
+                        if t is not None and t > deps:
+                            deps = t
             if gpu is None:
                 gpu = getattr(out, "_gpu", None) if isinstance(out, torch.Tensor) else None
                 if gpu is None:
