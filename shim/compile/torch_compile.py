@@ -29,6 +29,7 @@ so once on stderr. docs/device.md ("torch.compile") has the details.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import os
@@ -217,6 +218,44 @@ def _tell_daemon(compiling: bool) -> None:
             return
 
 
+def _outside_cuda_mode(compile_graph):
+    """AOTAutograd's compilation (``AotAutograd.__call__``, inductor's and ``aot_eager``'s), whose compiled
+    functions run with ``CudaMode`` off the stack while it is all there is on it.
+
+    What dynamo traced of the mode is in the graph already, and the graph runs over the host tensors
+    inside the emulated ones: at run time the mode would only see (and pass on, at ~1.5 us each) the
+    dozens of torch calls AOTAutograd's wrappers and inductor's code make: a tensor's attributes,
+    ``set_grad_enabled``, the profiler's ranges, extern kernels (docs/device.md, "The mode's cost").
+    A backend that runs dynamo's graph itself (``eager``, a user's callable) keeps the mode: its graph
+    calls torch on the emulated tensors, and a higher-order op's body there needs ``cuda`` translated.
+    """
+
+    def compile_with_aot(self, gm, example_inputs, **kwargs):
+        compiled = compile_graph(self, gm, example_inputs, **kwargs)
+
+        @functools.wraps(compiled)
+        def run(*args):
+            mode = RUNTIME.cuda.mode
+            if torch._C._len_torch_function_stack() != 1 or torch._C._get_function_stack_at(0) is not mode:
+                return compiled(*args)  # the mode already off (inside its own call), or a user's mode on it
+            torch._C._pop_torch_function_stack()
+            try:
+                return compiled(*args)
+            finally:
+                torch._C._push_on_torch_function_stack(mode)
+
+        return run
+
+    return compile_with_aot
+
+
+def _prepare_aot() -> None:
+    """Run AOTAutograd's compiled functions outside the mode (:func:`_outside_cuda_mode`)."""
+    from torch._dynamo.backends.common import AotAutograd
+
+    AotAutograd.__call__ = _outside_cuda_mode(AotAutograd.__call__)
+
+
 def _codes(module) -> list:
     """The code objects of ``module``'s functions and methods, and of the functions nested in them."""
     found = []
@@ -270,6 +309,8 @@ def _prepare_dynamo() -> None:
     from torch._dynamo.backends.distributed import SubmodCompiler
 
     SubmodCompiler.run_node = _wrapping_fake_outputs(SubmodCompiler.run_node)
+    # once it is imported: importing it here, while torch._inductor may be importing dynamo, is circular
+    after_import("torch._dynamo.backends.common", _prepare_aot)
     torch._dynamo.allow_in_graph(on_gpu)
     hops = sys.modules["torch._dynamo.variables.higher_order_ops"]
     hops.get_tensor_storages = _storages_inside(hops.get_tensor_storages)

@@ -8,6 +8,9 @@ emulated GPU the resulting allocations land on.
 
 from __future__ import annotations
 
+from types import (BuiltinFunctionType, FunctionType, MethodDescriptorType, MethodWrapperType,
+                   WrapperDescriptorType)
+
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -28,6 +31,14 @@ _PIN_MEMORY = torch.Tensor.pin_memory
 _IS_PINNED = torch.Tensor.is_pinned
 _COMPATIBLE = params.COMPATIBLE
 _is_compiling = torch.compiler.is_compiling  # dynamo folds this very function to True
+_is_dynamo_compiling = torch.compiler.is_dynamo_compiling  # this one too, and is a third of its cost
+#: the functions the mode handles whatever their arguments; the rest (but higher-order ops) only when
+#: they name a device
+_SPECIAL = frozenset({_TO, _CUDA, _SDPA, _PIN_MEMORY, _IS_PINNED, _COMPATIBLE})
+#: the types of what most calls pass as ``func`` (C functions and methods, the getters and setters of a
+#: tensor's attributes, Python functions): none is a higher-order op, which isinstance takes ~0.5 us to rule out
+_PLAIN_TYPES = frozenset({BuiltinFunctionType, MethodDescriptorType, MethodWrapperType, WrapperDescriptorType,
+                          FunctionType})
 
 
 def _cuda_index(d) -> int | None:
@@ -67,6 +78,12 @@ class CudaMode(TorchFunctionMode):
     """Routes every ``cuda`` device argument to the emulated backend."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        # most calls (a tensor's attribute, an op naming no device) pass through unchanged, as the rest below
+        # would pass them: decided first, in a few lookups (docs/device.md, "The mode's cost"); dynamo, tracing
+        # the mode, folds _is_dynamo_compiling() to True and takes the rest, as before
+        if (not _is_dynamo_compiling() and func not in _SPECIAL and not (kwargs and "device" in kwargs)
+                and type(func) in _PLAIN_TYPES):
+            return func(*args, **kwargs) if kwargs else func(*args)
         kwargs = kwargs or {}
         if _is_compiling():  # dynamo inlines this mode: see shim/compile/torch_compile.py
             return _compiling(func, args, kwargs)

@@ -51,6 +51,15 @@ _MIXED_OK = frozenset({
 _LEAVING_OPS = frozenset({_aten._to_copy.default, _aten.to.dtype_layout, _aten.to.device})
 
 
+_DEVICES: dict[int, torch.device] = {}
+
+
+def _device(gpu: int) -> torch.device:
+    """``cuda:gpu``, made once (a ``torch.device`` made in Python is a call through shim/cuda/mode.py's mode)."""
+    d = _DEVICES[gpu] = torch.device("cuda", gpu)
+    return d
+
+
 class _CudaStorage(torch.UntypedStorage):
     """A ``cuda:i`` tensor's storage as Python sees it: the host storage inside, on GPU ``i``."""
 
@@ -58,7 +67,7 @@ class _CudaStorage(torch.UntypedStorage):
 
     @property
     def device(self) -> torch.device:  # type: ignore[override]
-        return torch.device("cuda", self._gpu)
+        return _DEVICES.get(self._gpu) or _device(self._gpu)
 
 
 class MirageTensor(torch.Tensor):
@@ -83,7 +92,7 @@ class MirageTensor(torch.Tensor):
 
     @property
     def device(self) -> torch.device:  # type: ignore[override]
-        return torch.device("cuda", self._gpu)
+        return _DEVICES.get(self._gpu) or _device(self._gpu)
 
     @property
     def is_cuda(self) -> bool:  # type: ignore[override]
