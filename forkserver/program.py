@@ -142,7 +142,7 @@ def _fresh_modules(env: dict[str, str]) -> None:
     if runtime is not None:  # the server preloaded the shim: this rank's settings, not the server's
         from shim.rank.settings import Settings
 
-        runtime.RUNTIME.rebuild(Settings.from_environ(env))
+        runtime.RUNTIME.rebuild(Settings.from_environ())  # (MIRAGE_FORKED_AS included)
     torch = sys.modules.get("torch")
     threads = env.get("OMP_NUM_THREADS", "")
     if torch is not None and threads.isdigit() and int(threads) > 0:
@@ -178,8 +178,13 @@ def run(h: Handover) -> None:
     if os.environ.get("MIRAGE_SESSION"):  # what sitecustomize does in a session's process
         from forkserver.preload import LOADED
         from shim import bootstrap, import_hooks
+        from shim.rank.runtime import RUNTIME
 
         import_hooks.wait_for_program(LOADED)
+        # the shim's layers were built at the fork (forkserver.program._fresh_modules) from the environment
+        # the rank started with; a fresh process builds them when torch's import activates the shim, after
+        # the program's first lines (which may set CUDA_VISIBLE_DEVICES): so they are built again then
+        import_hooks.after_import("torch", RUNTIME.build_again)
         bootstrap.boot()
     try:
         _exec_main(kind, value)

@@ -153,6 +153,13 @@ class Runtime:
         for build in self._builders:
             build(self)
 
+    def build_again(self) -> None:
+        """Build the higher layers' objects again from the environment as it is now, keeping this layer's
+        (settings, claimed rank, clients): a rank forked with the shim imported does so as the shim activates,
+        where a fresh process would first import those layers."""
+        for build in self._builders:
+            build(self)
+
     def claim(self, rank: int) -> None:
         """Record that this process is rank ``rank``."""
         self.claimed_rank, self.claimed_pid = rank, os.getpid()
