@@ -1,6 +1,6 @@
 """What one call through the shim's TorchFunctionMode costs, against no mode and a mode that only passes it on.
 
-    python bench/mode_cost.py [--base OLD] [--rounds R] [--step compiled|eager]
+    python bench/mode_cost.py [--rounds R] [--step compiled|eager]
 
 Activates the shim in this process (as a ``mirage run --in-process`` rank
 does) and times a few calls that name no device (most calls a training step
@@ -9,15 +9,14 @@ stack holding nothing, a ``TorchFunctionMode`` whose ``__torch_function__``
 only calls ``func`` (torch's cost of having a mode: its C++ stashes the mode,
 builds the arguments, calls into Python), and ``CudaMode``
 (shim/cuda/mode.py; the difference to the passthrough is its Python body).
-``--base OLD`` adds OLD's ``CudaMode.__torch_function__`` (its source, run
-with this shim's module) as "before". Thread CPU time, microseconds per call,
+To compare two versions of the mode, run the bench in each checkout
+(``/work/tools/bench_pair.sh`` alternates them). Thread CPU time, microseconds per call,
 the best of R rounds whose ways alternate.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import os
 import statistics
 import sys
@@ -38,7 +37,6 @@ def per_call(fn) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base", help="a checkout whose CudaMode to time as 'before'")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--step", choices=("compiled", "eager"), help="time a training step instead of calls")
     opts = parser.parse_args()
@@ -51,7 +49,6 @@ def main() -> None:
 
     activate()
     torch.set_num_threads(1)
-    from shim.cuda import mode as cuda_mode
     from shim.rank.runtime import RUNTIME
 
     class Passthrough(TorchFunctionMode):
@@ -59,12 +56,6 @@ def main() -> None:
             return func(*args, **(kwargs or {}))
 
     modes = {"no mode": None, "passthrough": Passthrough()}
-    if opts.base:
-        tree = ast.parse(Path(opts.base, "shim/cuda/mode.py").read_text())
-        cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "CudaMode")
-        namespace = dict(vars(cuda_mode))
-        exec(compile(ast.Module([cls], []), f"{opts.base}/shim/cuda/mode.py", "exec"), namespace)
-        modes["before"] = namespace["CudaMode"]()
     modes["CudaMode"] = RUNTIME.cuda.mode  # the installed one, which compiled functions take off the stack
 
     def under(mode, fn):

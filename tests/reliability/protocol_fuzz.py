@@ -35,18 +35,20 @@ NOT_REQUESTS = ["ok", "error", "done", "daemon_ready", "coll_completed", "hang",
 _INT_JUNK = [None, True, False, 1.5, "7", "", [], {}, [1], {"a": 1}, float("nan")]
 _STR_JUNK = [None, True, 0, -1, 2**70, 1.5, [], {}, ["x"], {"k": "v"}]
 _LIST_JUNK = [None, True, 0, "1,2", {}, [None], ["1"], [1.5], [True], [[1]]]
+_STR_LIST_JUNK = [None, True, 0, "h1", {}, [None], [1], [1.5], [True], [["h1"]]]
 _FLOAT_JUNK = [None, True, False, "1.5", "", [], {}, [1.0], {"a": 1.0}, "nan"]
 _DICT_JUNK = [None, True, 0, "h1", [], [["h1", "x"]], {"h1": "x"}, {"h1": [1, 2]}, {"h1": None}, {"": [[]]}]
 
 
 def _field_types(cls) -> dict[str, str]:
-    """``int``, ``float``, ``str``, ``bool``, ``list``, ``dict`` or ``enum`` for each field of a request class."""
+    """``int``, ``float``, ``str``, ``bool``, ``list`` (of ints), ``list[str]``, ``dict`` or ``enum`` for each field of
+    a request class."""
     out = {}
     hints = typing.get_type_hints(cls)
     for name in (f.name for f in dataclasses.fields(cls)):  # the fields, not the class variables
         hint = hints[name]
         if typing.get_origin(hint) is list:
-            out[name] = "list"
+            out[name] = "list[str]" if typing.get_args(hint) == (str,) else "list"
         elif typing.get_origin(hint) is dict:
             out[name] = "dict"
         elif isinstance(hint, type) and issubclass(hint, Enum):
@@ -130,6 +132,8 @@ class Fuzzer:
                     body[name] = g.choice([True, False])
                 elif kind == "list":
                     body[name] = [self._int() for _ in range(g.randrange(4))]
+                elif kind == "list[str]":
+                    body[name] = [self._str()[:16] for _ in range(g.randrange(4))]
                 elif kind == "dict":  # a peer directory: host -> [endpoint, cipher], well typed, any values
                     body[name] = {self._str()[:16]: [self._str()[:40] for _ in range(g.randrange(4))]
                                   for _ in range(g.randrange(3))}
@@ -254,6 +258,8 @@ class Fuzzer:
                 body[name] = g.choice(_STR_JUNK)
             elif kind_of == "list":
                 body[name] = g.choice(_LIST_JUNK)
+            elif kind_of == "list[str]":
+                body[name] = g.choice(_STR_LIST_JUNK)
             elif kind_of == "dict":
                 body[name] = g.choice(_DICT_JUNK)
             else:  # enum: a value outside it
