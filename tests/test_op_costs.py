@@ -105,15 +105,15 @@ def _clocked_ddp(tmp_path, uncached: bool) -> tuple[list, list, dict, str]:
     tmp_path.mkdir()
     program = tmp_path / "ddp.py"
     program.write_text(_DDP.format(fixture=str(FIXTURES / "ddp_mlp.py")))
-    r = mirage_run(tmp_path / "run", "--exec-mode", "clocked", "--gpus-per-node", "2", "--env",
+    r = mirage_run(tmp_path / "r", "--exec-mode", "clocked", "--gpus-per-node", "2", "--env",
                    f"UNCACHED={int(uncached)}", "--", "torchrun", "--standalone", "--nproc_per_node=2", str(program),
                    steps=6)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    out = run_dir(tmp_path / "run")
+    out = run_dir(tmp_path / "r")
     traces = [_same_host_pid(json.loads((out / "traces" / f"rank-{rank}.json").read_text())["traceEvents"])
               for rank in (0, 1)]
     steps = sorted(((e["rank"], e["step"]), {k: v for k, v in e.items() if k != "t"})
-                   for e in events(tmp_path / "run") if e["type"] == "clocked_step")
+                   for e in events(tmp_path / "r") if e["type"] == "clocked_step")
     (counts,) = [line for line in r.stdout.splitlines() if line.startswith("[0] costs found again")]
     return traces, steps, json.loads((out / "report.json").read_text())["clocked"], counts
 
@@ -122,8 +122,8 @@ def _clocked_ddp(tmp_path, uncached: bool) -> tuple[list, list, dict, str]:
 def test_the_table_of_costs_leaves_a_clocked_ddp_run_exactly_as_it_was(tmp_path):
     """Kernel for kernel, step for step, the same emulated times with the costs found again by signature as
     with every op priced afresh (the reference)."""
-    traces, steps, report, counts = _clocked_ddp(tmp_path / "cached", uncached=False)
-    ref_traces, ref_steps, ref_report, ref_counts = _clocked_ddp(tmp_path / "uncached", uncached=True)
+    traces, steps, report, counts = _clocked_ddp(tmp_path / "c", uncached=False)
+    ref_traces, ref_steps, ref_report, ref_counts = _clocked_ddp(tmp_path / "u", uncached=True)
     assert len(steps) == 2 * 6 and steps == ref_steps
     assert report == ref_report
     for rank in (0, 1):
