@@ -200,12 +200,10 @@ class Clock:
 
     def _advance(self, gpu: int, func, cost: OpCost, deps: float) -> None:
         """Run the kernel ``func`` priced ``cost`` on the current stream of ``gpu``, from ``deps`` at the earliest."""
-        # (called for every op: _record, _name and _issued written out here, a Python call each saved)
         seconds = cost.seconds
         if not seconds:
             return
         stream = self.stream_of(gpu)
-        name = self.names.get(id(func)) or self._name(func)
         with self.lock:
             key = (gpu, stream)
             start = max(self.streams.get(key, 0.0), self.host, deps)
@@ -214,11 +212,7 @@ class Clock:
             self.ops += 1
             if not cost.has_formula:
                 self.bytes_only_ops += 1
-            if len(self.events) < MAX_TRACE_EVENTS:
-                self.events.append(("compute", name, gpu, stream, start, end, cost.trace_args,
-                                    min(start, max(self.host, self.step_start))))
-            else:
-                self.dropped += 1
+            self._record(("compute", self._name(func), gpu, stream, start, end, cost.trace_args, self._issued(start)))
 
     def fused(self, gpu: int, kernels: list) -> None:
         """A compiled graph's kernels, one after another on the current stream of ``gpu``.
