@@ -140,14 +140,15 @@ def test_backward_runs_on_the_calling_thread_with_either_device_guard(tmp_path, 
 def test_allocator_counts_storages_once_and_caches_segments():
     import torch
 
-    from shim.memory.allocator import SEGMENT, Allocator
+    from shim.memory.allocator import Allocator
+    from shim.memory.blocks import SMALL_BUFFER as SEGMENT
 
     alloc = Allocator(capacity=64 << 20, count=2)
     t = torch.empty(1000, dtype=torch.float32)  # 4000 B -> 4096 B in 512 B blocks
     k1 = alloc.hold(t, 0)
     k2 = alloc.hold(t[10:], 0)  # a view of the same storage
     d = alloc.devices[0]
-    assert k1 == k2 and d.allocated == 4096 and sum(d.count) == 1
+    assert k1 == k2 and d.allocated == 4096 and d.allocation.total == 1
     assert d.reserved_total == SEGMENT and alloc.devices[1].allocated == 0
     alloc.release(k1)
     alloc.sync()
@@ -168,14 +169,40 @@ def test_allocator_refuses_what_does_not_fit_with_torchs_message():
 
     from shim.memory.allocator import Allocator, format_size
 
-    alloc = Allocator(capacity=10 << 20, count=1)
-    keep = torch.empty(6 << 20, dtype=torch.uint8)
+    alloc = Allocator(capacity=40 << 20, count=1)
+    keep = torch.empty(12 << 20, dtype=torch.uint8)  # a 12 MiB segment of its own
     alloc.hold(keep, 0)
-    with pytest.raises(torch.cuda.OutOfMemoryError, match=r"^CUDA out of memory\. Tried to allocate 5\.00 MiB\. "
-                       r"GPU 0 has a total capacity of 10\.00 MiB of which 4\.00 MiB is free\."):
-        alloc.check(0, 5 << 20)
+    alloc.check(0, 5 << 20)
+    alloc.hold(torch.empty(5 << 20, dtype=torch.uint8), 0)  # a 20 MiB segment, split: 15 MiB stay cached
+    with pytest.raises(torch.cuda.OutOfMemoryError, match=r"^CUDA out of memory\. Tried to allocate 16\.00 MiB\. "
+                       r"GPU 0 has a total capacity of 40\.00 MiB of which 8\.00 MiB is free\. .* Of the allocated "
+                       r"memory 17\.00 MiB is allocated by PyTorch, and 15\.00 MiB is reserved by PyTorch but "
+                       r"unallocated\."):
+        alloc.check(0, 16 << 20)  # no cached block holds it, and a 16 MiB segment does not fit
     assert alloc.devices[0].num_ooms == 1
+    # a request between 1 and 10 MiB allocates a 20 MiB segment, and the message names the segment
+    with pytest.raises(torch.cuda.OutOfMemoryError, match=r"^CUDA out of memory\. Tried to allocate 20\.00 MiB\. "
+                       r"GPU 0 has a total capacity of 10\.00 MiB of which 10\.00 MiB is free\."):
+        Allocator(capacity=10 << 20, count=1).check(0, 5 << 20)
     assert (format_size(1024), format_size(1536), format_size(3 << 30)) == ("1024 bytes", "1.50 KiB", "3.00 GiB")
+
+
+def test_the_allocators_settings_are_read_as_a_rocm_build_reads_them(tmp_path):
+    program = ("import torch\n"
+               "x = torch.empty(100 << 20, dtype=torch.uint8, device='cuda')\n"
+               "print('max_split', torch.cuda.memory_stats()['max_split_size'])\n")
+    r = mirage_run(tmp_path, "--in-process", "--env",
+                   "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True,max_split_size_mb:64,"
+                   "garbage_collection_threshold:0.8", "--", "python", "-c", program)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"[0] max_split {64 << 20}" in r.stdout.splitlines(), r.stdout
+    assert "UserWarning: expandable_segments not supported on this platform" in r.stderr, r.stderr
+    assert r.stderr.count("mirage: PYTORCH_CUDA_ALLOC_CONF: garbage_collection_threshold not modeled") == 1
+    r = mirage_run(tmp_path, "--in-process", "--env", "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:8", "--",
+                   "python", "-c", program)
+    assert r.returncode == 1
+    assert ("RuntimeError: PYTORCH_CUDA_ALLOC_CONF: CachingAllocator option max_split_size_mb too small, "
+            "must be > 20") in r.stderr, r.stderr[-3000:]
 
 
 @pytest.mark.parametrize("text, size", [("8GiB", 8 << 30), ("512MiB", 512 << 20), ("80GB", 80 * 10**9),

@@ -579,7 +579,8 @@ class _Roctx(threading.local):
 
 
 def _current_stream_id(gpu: int) -> int:
-    """The id of the thread's current stream on ``gpu`` (clocked mode asks for each kernel)."""
+    """The id of the thread's current stream on ``gpu`` (clocked mode asks for each kernel, the allocator for
+    each block)."""
     current = getattr(_current, "streams", None)
     s = current.get(gpu) if current else None
     return 0 if s is None else s.stream_id
@@ -591,6 +592,7 @@ def install() -> None:
 
     if RUNTIME.clock is not None:
         RUNTIME.clock.stream_of = _current_stream_id
+    RUNTIME.allocator.stream_of = _current_stream_id  # memory freed on one stream is reused on that stream
 
     torch.cuda.nvtx._nvtx = _Roctx()
     c = torch.cuda

@@ -1,13 +1,13 @@
-"""A model of the HIP caching allocator, per emulated GPU: what ``torch.cuda.memory_*`` report, and OOM.
+"""What ``torch.cuda.memory_*`` report per emulated GPU, and out-of-memory errors: storages counted as blocks.
 
-Every ``cuda`` tensor's data is a CPU storage. A storage is counted on its GPU
-from the first wrapper that holds it until the last one is collected (views
-share their base's storage and are counted once; a view an op makes keeps the
-wrapper it was made from alive instead of holding the storage itself). Sizes
-are rounded to the allocator's 512-byte blocks; reserved memory grows in 2 MiB
-segments and only shrinks on ``empty_cache()``, as a caching allocator's does.
-Allocations that would take a GPU past its capacity (the profile's HBM,
-``--hbm``, or ``set_per_process_memory_fraction``) raise
+Every ``cuda`` tensor's data is a CPU storage. A storage is a block of its
+GPU's caching allocator (``shim/memory/blocks.py``: segments, best-fit blocks,
+splitting, per stream) from the first wrapper that holds it until the last one
+is collected (views share their base's storage and are counted once; a view an
+op makes keeps the wrapper it was made from alive instead of holding the
+storage itself), allocated on the thread's current stream. An allocation the
+allocator could not satisfy within the GPU's capacity (the profile's HBM,
+``--hbm``, or ``set_per_process_memory_fraction``) raises
 ``torch.cuda.OutOfMemoryError`` with the allocator's own message.
 """
 
@@ -19,6 +19,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -26,99 +27,13 @@ import torch
 from shim.device import deferred
 from shim.device import state  # noqa: F401 - it builds RUNTIME.device, which the allocator is sized by
 from shim.memory import history as memory_history
+from shim.memory.blocks import Block, DeviceMemory, allocation_size, parse_alloc_conf, round_size
 from shim.device.storages import storage_key
 from shim.rank.runtime import RUNTIME
 
-BLOCK = 512  # the allocator rounds every request up to this
-SEGMENT = 2 << 20  # and reserves device memory in multiples of this
-SMALL = 1 << 20  # requests up to this size come from the small pool
-_POOLS = ("small_pool", "large_pool")
-
-
-class DeviceMemory:
-    """The counters of one emulated GPU's allocator, per pool (0: small, 1: large).
-
-    Kept as plain integers updated in place: every tensor's birth and death
-    passes through here, so this is on the hot path of every op.
-    """
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.fraction = 1.0
-        self.bytes = [0, 0]  # allocated now
-        self.bytes_peak = [0, 0]
-        self.bytes_in = [0, 0]  # ever allocated
-        self.bytes_out = [0, 0]  # ever freed
-        self.count = [0, 0]
-        self.count_peak = [0, 0]
-        self.count_in = [0, 0]
-        self.count_out = [0, 0]
-        self.reserved = [0, 0]
-        self.reserved_peak = [0, 0]
-        self.reserved_in = [0, 0]
-        self.reserved_out = [0, 0]
-        self.all_peak = 0  # the peak of the total is not the sum of the pools' peaks
-        self.all_count_peak = 0
-        self.reserved_all_peak = 0
-        self.num_ooms = 0
-
-    @property
-    def allocated(self) -> int:
-        return self.bytes[0] + self.bytes[1]
-
-    @property
-    def reserved_total(self) -> int:
-        return self.reserved[0] + self.reserved[1]
-
-    @property
-    def limit(self) -> int:
-        return int(self.capacity * self.fraction)
-
-    def nested(self) -> dict:
-        """The nested dict ``torch._C._cuda_memoryStats`` returns on a GPU build."""
-        def stat(cur, peak, into, out, all_peak):
-            table = {"all": {"current": sum(cur), "peak": all_peak, "allocated": sum(into), "freed": sum(out)}}
-            for i, pool in enumerate(_POOLS):
-                table[pool] = {"current": cur[i], "peak": peak[i], "allocated": into[i], "freed": out[i]}
-            return table
-
-        zero = stat([0, 0], [0, 0], [0, 0], [0, 0], 0)
-        allocated = stat(self.bytes, self.bytes_peak, self.bytes_in, self.bytes_out, self.all_peak)
-        count = stat(self.count, self.count_peak, self.count_in, self.count_out, self.all_count_peak)
-        segments = [r // SEGMENT for r in self.reserved]
-        return {
-            "allocated_bytes": allocated,
-            "active_bytes": allocated,  # nothing waits on a stream: active == allocated
-            "requested_bytes": allocated,  # requests are counted at the allocator's 512-byte rounding
-            "reserved_bytes": stat(self.reserved, self.reserved_peak, self.reserved_in, self.reserved_out,
-                                   self.reserved_all_peak),
-            "inactive_split_bytes": zero,
-            "allocation": count,
-            "active": count,
-            "segment": stat(segments, [r // SEGMENT for r in self.reserved_peak],
-                            [r // SEGMENT for r in self.reserved_in], [r // SEGMENT for r in self.reserved_out],
-                            self.reserved_all_peak // SEGMENT),
-            "inactive_split": zero,
-            "oversize_allocations": zero["all"],
-            "oversize_segments": zero["all"],
-            "num_alloc_retries": 0,
-            "num_ooms": self.num_ooms,
-            "num_sync_all_streams": 0,
-            "num_device_alloc": sum(self.reserved_in) // SEGMENT,
-            "num_device_free": sum(self.reserved_out) // SEGMENT,
-            "max_split_size": -1,
-        }
-
-
 _NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
-
-
-def _round(n: int) -> int:
-    return (n + BLOCK - 1) // BLOCK * BLOCK
-
-
-def _segments(n: int) -> int:
-    return (n + SEGMENT - 1) // SEGMENT * SEGMENT
+#: where torch reads the allocator's settings, the first set one winning
+ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
 
 
 def format_size(n: int) -> str:
@@ -133,12 +48,15 @@ def format_size(n: int) -> str:
 
 
 class Allocator:
-    """Counts live storages per emulated GPU (keyed by the storage's base address)."""
+    """Counts live storages per emulated GPU (keyed by the storage's base address) as allocator blocks."""
 
     def __init__(self, capacity: int, count: int):
         self._lock = threading.Lock()
-        self.devices = [DeviceMemory(capacity) for _ in range(count)]
-        self._live: dict[int, list] = {}  # base address -> [gpu, rounded size, pool, holders]
+        self.devices = [DeviceMemory(capacity, i) for i in range(count)]
+        self._live: dict[int, Block] = {}  # a storage's base address -> its block (with its GPU and holders)
+        #: the id of the calling thread's current stream on a GPU (shim/cuda/api.py installs it)
+        self.stream_of = lambda gpu: 0
+        self._configured = False  # PYTORCH_CUDA_ALLOC_CONF is read at the first allocation, as torch reads it
         # Frees come from finalisers, which the garbage collector may run inside hold() with the
         # lock taken: they only queue here (deque.append is atomic), and the queue is drained under it.
         self._freed: collections.deque[int] = collections.deque()
@@ -171,7 +89,7 @@ class Allocator:
         """``torch._C._cuda_memorySnapshot``: every GPU's live blocks, and the trace recorded so far."""
         with self._lock:
             self._drain()
-            return memory_history.snapshot(self._live, self.history, len(self.devices))
+            return memory_history.snapshot(self.devices, self.history)
 
     def sync(self) -> None:
         """Apply the frees queued so far (before figures are read)."""
@@ -186,10 +104,12 @@ class Allocator:
     def check(self, gpu: int, nbytes: int) -> None:
         """Raise OutOfMemoryError if ``nbytes`` more would not fit on ``gpu`` (before allocating)."""
         self.sync()
+        if not self._configured:
+            with self._lock:
+                self._configure()
         d = self.devices[gpu]
-        size = _round(nbytes)
-        if d.allocated + size > d.limit:
-            self._out_of_memory(d, gpu, size)
+        if not d.would_fit(nbytes, self.stream_of(gpu)):
+            self._out_of_memory(d, gpu, nbytes)
 
     def hold(self, t: torch.Tensor, gpu: int) -> int:
         """Count ``t``'s storage on ``gpu`` (once however many wrappers share it); return its key."""
@@ -211,36 +131,55 @@ class Allocator:
             else:
                 return 0  # empty tensors own no memory
         with self._lock:
+            if not self._configured:
+                self._configure()
             if self._freed:
                 self._drain()  # first: a storage freed at this address must not be mistaken for this one
-            entry = self._live.get(key)
-            if entry is not None:
-                entry[3] += 1
+            block = self._live.get(key)
+            if block is not None:
+                block.holders += 1
                 return key
             d = self.devices[gpu]
-            size = _round(t.untyped_storage().nbytes())
-            if d.bytes[0] + d.bytes[1] + size > d.limit:  # an op's output that does not fit
-                self._out_of_memory(d, gpu, size)
-            p = 0 if size <= SMALL else 1
-            self._live[key] = [gpu, size, p, 1]
+            nbytes = t.untyped_storage().nbytes()
+            segments = d.num_device_alloc
+            block = d.malloc(nbytes, self.stream_of(gpu))
+            if block is None:  # an op's output that does not fit (raised, or kept for backward() to raise)
+                self._out_of_memory(d, gpu, nbytes)
+                block = d.malloc(nbytes, self.stream_of(gpu), force=True)
+            block.gpu = gpu
+            block.holders = 1
+            self._live[key] = block
             if self.recorder is not None:
-                self.recorder.alloc(gpu, key, size, t.untyped_storage().nbytes())
-            d.bytes[p] += size
-            d.bytes_in[p] += size
-            d.count[p] += 1
-            d.count_in[p] += 1
-            if d.bytes[p] > d.bytes_peak[p]:
-                d.bytes_peak[p] = d.bytes[p]
-            if d.count[p] > d.count_peak[p]:
-                d.count_peak[p] = d.count[p]
-            total = d.bytes[0] + d.bytes[1]
-            if total > d.all_peak:
-                d.all_peak = total
-                d.all_count_peak = max(d.all_count_peak, d.count[0] + d.count[1])
-            if d.bytes[p] > d.reserved[p]:
-                self._grow_reserved(d, p)
+                for segment in d.released:
+                    self.recorder.segment_free(gpu, segment)
+                if d.num_device_alloc != segments:
+                    head = d.segment_of(block)
+                    self.recorder.segment_alloc(gpu, head, sum(b.size for b in d.segment_blocks(head)))
+                self.recorder.alloc(gpu, block)
+            if d.released:
+                d.released = []
             self.version += 1
             return key
+
+    def _configure(self) -> None:
+        self._configured = True
+        name = next((v for v in ALLOC_CONF_VARS if os.environ.get(v)), None)
+        if name is None:
+            return
+        try:
+            max_split, unmodeled = parse_alloc_conf(os.environ[name])
+        except ValueError as e:
+            raise RuntimeError(f"{name}: {e}") from None
+        for d in self.devices:
+            d.max_split_size = max_split
+        if "expandable_segments" in unmodeled:
+            unmodeled.remove("expandable_segments")
+            # what a ROCm build says (c10/hip/HIPAllocatorConfig.h), then allocates as if it were off
+            warnings.warn("expandable_segments not supported on this platform", UserWarning, stacklevel=2)
+        if unmodeled:
+            print(f"mirage: {name}: {', '.join(unmodeled)} not modeled: memory_reserved() and out-of-memory "
+                  "follow the default caching allocator (memory_allocated() is unaffected)", file=sys.stderr,
+                  flush=True)
 
     def moved(self, t) -> None:
         """``t``'s storage was resized in place (FSDP2 frees and re-allocates this way): count it anew."""
@@ -263,7 +202,7 @@ class Allocator:
             self._drain()
             key = holder._mem
             entry = self._live.get(key) if key else None
-            if entry is None or entry[3] != 1:
+            if entry is None or entry.holders != 1:
                 return False
             new = move()
             if new != key and new not in self._live:
@@ -280,62 +219,37 @@ class Allocator:
         # with the lock held: the storage goes with its last wrapper
         while self._freed:
             key = self._freed.popleft()
-            entry = self._live.get(key)
-            if entry is None:
+            block = self._live.get(key)
+            if block is None:
                 continue
-            entry[3] -= 1
-            if entry[3] == 0:
+            block.holders -= 1
+            if block.holders == 0:
                 del self._live[key]
-                gpu, size, p, _ = entry
-                d = self.devices[gpu]
-                d.bytes[p] -= size
-                d.bytes_out[p] += size
-                d.count[p] -= 1
-                d.count_out[p] += 1
-                self.version += 1
                 if self.recorder is not None:
-                    self.recorder.free(gpu, key, size)
-
-    @staticmethod
-    def _grow_reserved(d: DeviceMemory, p: int) -> None:
-        # a caching allocator keeps what it reserved: reserved only grows, to cover what is allocated
-        need = _segments(d.bytes[p]) - d.reserved[p]
-        d.reserved[p] += need
-        d.reserved_in[p] += need
-        d.reserved_peak[p] = max(d.reserved_peak[p], d.reserved[p])
-        d.reserved_all_peak = max(d.reserved_all_peak, d.reserved_total)
+                    self.recorder.free(block.gpu, block)
+                self.devices[block.gpu].free(block)
+                self.version += 1
 
     def empty_cache(self) -> None:
-        """Give back reserved segments that hold no allocation."""
+        """Give the segments that hold no allocation back to the GPU."""
         with self._lock:
             self._drain()
-            for d in self.devices:
-                for p in (0, 1):
-                    spare = d.reserved[p] - _segments(d.bytes[p])
-                    if spare > 0:
-                        d.reserved[p] -= spare
-                        d.reserved_out[p] += spare
+            for gpu, d in enumerate(self.devices):
+                for segment in d.release_cached():
+                    if self.recorder is not None:
+                        self.recorder.segment_free(gpu, segment)
             self.version += 1
 
     def reset_peak(self, gpu: int) -> None:
         """``reset_peak_memory_stats``: peaks restart from the current figures."""
         with self._lock:
             self._drain()
-            d = self.devices[gpu]
-            d.bytes_peak = list(d.bytes)
-            d.count_peak = list(d.count)
-            d.reserved_peak = list(d.reserved)
-            d.all_peak = d.allocated
-            d.all_count_peak = sum(d.count)
-            d.reserved_all_peak = d.reserved_total
+            self.devices[gpu].reset_peak()
 
     def reset_accumulated(self, gpu: int) -> None:
-        """``reset_accumulated_memory_stats``: the allocated/freed totals and the OOM count restart."""
+        """``reset_accumulated_memory_stats``: the allocated/freed totals and the event counts restart."""
         with self._lock:
-            d = self.devices[gpu]
-            for name in ("bytes_in", "bytes_out", "count_in", "count_out", "reserved_in", "reserved_out"):
-                setattr(d, name, [0, 0])
-            d.num_ooms = 0
+            self.devices[gpu].reset_accumulated()
 
     def mem_get_info(self, gpu: int) -> tuple[int, int]:
         """(free, total) bytes of ``gpu`` as this process sees it."""
@@ -343,11 +257,12 @@ class Allocator:
         d = self.devices[gpu]
         return d.capacity - d.reserved_total, d.capacity
 
-    def _out_of_memory(self, d: DeviceMemory, gpu: int, size: int) -> None:
+    def _out_of_memory(self, d: DeviceMemory, gpu: int, nbytes: int) -> None:
         d.num_ooms += 1
         if self.recorder is not None:
-            self.recorder.oom(gpu, size, max(0, d.capacity - d.reserved_total))
-        error = torch.cuda.OutOfMemoryError(self._oom_message(gpu, size))
+            self.recorder.oom(gpu, round_size(nbytes), max(0, d.capacity - d.reserved_total))
+        # c10 names the segment it failed to allocate (a 5 MiB request "tried to allocate 20.00 MiB")
+        error = torch.cuda.OutOfMemoryError(self._oom_message(gpu, allocation_size(round_size(nbytes))))
         if not deferred.in_backward():
             raise error
         # raising on the autograd engine's thread aborts the process: backward() raises it instead,
@@ -426,7 +341,7 @@ def _report(timeout_s: float) -> bool:
         reporter.reported = now
         rank, node = reporter.speaks_as
         for i, d in enumerate(allocator.devices):
-            if not d.bytes_in[0] + d.bytes_in[1]:
+            if not d.touched:
                 continue  # a GPU this rank never touched
             report = MemoryReport(rank=rank, node=node, device=RUNTIME.device.physical[i], allocated=d.allocated,
                                   reserved=d.reserved_total, peak=d.all_peak, total=d.capacity)

@@ -7,15 +7,13 @@ trace in the dictionary ``torch.cuda._memory_viz`` and pytorch.org/memory_viz
 read. A CPU build has no entry points for them (``AttributeError``), so
 programs that take snapshots (torchtitan's ``enable_memory_snapshot``) failed.
 
-What the model can say, it says as the caching allocator would: each block's
-size rounded to 512 bytes and its requested size, its Python stack, the
-allocations and frees in order with their times, and an ``oom`` entry where
-the allocator raised. What it cannot: addresses are the host storage's (real
-and unique while it lives, not a GPU's), each live block is shown as a
-segment of its own (the model reserves memory in 2 MiB units but keeps no
-segment layout, so no ``segment_alloc``/``segment_free`` entries and no
-fragmentation), and frees carry no stack (they are applied where the
-allocator next looks, not where the tensor died).
+What the model can say, it says as the caching allocator would: its segments
+and the blocks they are split into (``shim/memory/blocks.py``; addresses are
+the model's virtual ones), each block's size rounded to 512 bytes and its
+requested size, its Python stack, the allocations, frees, ``segment_alloc``
+and ``segment_free`` in order with their times and streams, and an ``oom``
+entry where the allocator raised. What it cannot: frees carry no stack (they
+are applied where the allocator next looks, not where the tensor died).
 """
 
 from __future__ import annotations
@@ -23,6 +21,8 @@ from __future__ import annotations
 import collections
 import sys
 import time
+
+from shim.memory.blocks import Block, DeviceMemory
 
 #: what ``enabled`` may be (``None`` stops recording), and ``context``, as torch checks them
 _ENABLED = (None, "state", "all")
@@ -51,8 +51,7 @@ class History:
         self.context = context  # "alloc"/"all"/"state": record stacks; None: none
         self.traces = [collections.deque(maxlen=max_entries if max_entries < sys.maxsize else None)
                        for _ in range(devices)]
-        self.frames: dict[int, list[dict]] = {}  # a live block's key -> where it was allocated
-        self.requested: dict[int, int] = {}  # a live block's key -> the bytes its storage asked for
+        self.frames: dict[int, list[dict]] = {}  # a live block's address -> where it was allocated
 
     def configure(self, enabled: str, context: str | None, max_entries: int, clear: bool) -> None:
         """Record again with new settings; the trace so far is kept (up to ``max_entries``) unless ``clear``."""
@@ -61,25 +60,32 @@ class History:
         self.traces = [collections.deque(() if clear else t, maxlen=maxlen) for t in self.traces]
         if clear:
             self.frames.clear()
-            self.requested.clear()
 
-    def _entry(self, gpu: int, action: str, **fields) -> None:
+    def _entry(self, gpu: int, action: str, stream: int = 0, **fields) -> None:
         if self.enabled == "all":
-            self.traces[gpu].append({"action": action, "stream": 0, "time_us": time.time_ns() // 1000, **fields})
+            self.traces[gpu].append({"action": action, "stream": stream_handle(stream),
+                                     "time_us": time.time_ns() // 1000, **fields})
 
-    def alloc(self, gpu: int, key: int, size: int, requested: int) -> None:
-        """A block of ``size`` bytes (``requested`` before rounding) was allocated on ``gpu`` at ``key``."""
+    def segment_alloc(self, gpu: int, head: Block, size: int) -> None:
+        """A segment of ``size`` bytes, whose first block is ``head``, was allocated from ``gpu``."""
+        self._entry(gpu, "segment_alloc", head.stream, addr=head.addr, size=size,
+                    frames=_frames() if self.context else [])
+
+    def segment_free(self, gpu: int, segment: Block) -> None:
+        """The segment ``segment`` (one free block) went back to ``gpu``."""
+        self._entry(gpu, "segment_free", segment.stream, addr=segment.addr, size=segment.size, frames=[])
+
+    def alloc(self, gpu: int, block: Block) -> None:
+        """``block`` was handed out on ``gpu``."""
         frames = _frames() if self.context else []
-        self.frames[key] = frames
-        self.requested[key] = requested
-        self._entry(gpu, "alloc", addr=key, size=size, frames=frames)
+        self.frames[block.addr] = frames
+        self._entry(gpu, "alloc", block.stream, addr=block.addr, size=block.size, frames=frames)
 
-    def free(self, gpu: int, key: int, size: int) -> None:
-        """The block at ``key`` was freed: requested and completed at once (nothing waits on another stream)."""
-        self.frames.pop(key, None)
-        self.requested.pop(key, None)
-        self._entry(gpu, "free_requested", addr=key, size=size, frames=[])
-        self._entry(gpu, "free_completed", addr=key, size=size, frames=[])
+    def free(self, gpu: int, block: Block) -> None:
+        """``block`` is being freed: requested and completed at once (nothing waits on another stream)."""
+        self.frames.pop(block.addr, None)
+        self._entry(gpu, "free_requested", block.stream, addr=block.addr, size=block.size, frames=[])
+        self._entry(gpu, "free_completed", block.stream, addr=block.addr, size=block.size, frames=[])
 
     def oom(self, gpu: int, size: int, device_free: int) -> None:
         """The allocator raised OutOfMemoryError for ``size`` bytes."""
@@ -87,23 +93,35 @@ class History:
                     frames=_frames() if self.context else [])
 
 
-def snapshot(live: dict[int, list], history: History | None, devices: int) -> dict:
-    """The dictionary ``torch.cuda.memory._snapshot()`` returns, from the allocator's live blocks.
+def stream_handle(stream: int) -> int:
+    """The ``cudaStream_t`` torch shows for the emulated stream of id ``stream`` (shim/cuda/api.py's handles)."""
+    return 0x1000 * stream
 
-    ``live`` maps a block's key to ``[gpu, rounded size, pool, holders]`` (``Allocator._live``); a block
-    allocated while nothing recorded has no stack, and its requested size is its rounded one.
+
+def snapshot(devices: list[DeviceMemory], history: History | None) -> dict:
+    """The dictionary ``torch.cuda.memory._snapshot()`` returns: every GPU's segments and their blocks.
+
+    A block allocated while nothing recorded has no stack.
     """
     frames = history.frames if history is not None else {}
-    requested = history.requested if history is not None else {}
     segments = []
-    for key, (gpu, size, pool, _) in sorted(live.items(), key=lambda kv: (kv[1][0], kv[0])):
-        block = {"address": key, "size": size, "requested_size": requested.get(key, size),
-                 "state": "active_allocated", "frames": frames.get(key, [])}
-        segments.append({"device": gpu, "address": key, "total_size": size, "allocated_size": size,
-                         "active_size": size, "requested_size": block["requested_size"], "stream": 0,
-                         "segment_type": "large" if pool else "small", "segment_pool_id": (0, 0),
-                         "is_expandable": False, "frames": block["frames"], "blocks": [block]})
-    traces = [list(t) for t in history.traces] if history is not None else [[] for _ in range(devices)]
+    for gpu, d in enumerate(devices):
+        for addr in sorted(d.segments):
+            blocks = []
+            for b in d.segment_blocks(d.segments[addr]):
+                blocks.append({"address": b.addr, "size": b.size,
+                               "requested_size": b.requested if b.allocated else 0,
+                               "state": "active_allocated" if b.allocated else "inactive",
+                               "frames": frames.get(b.addr, []) if b.allocated else []})
+            allocated = sum(b["size"] for b in blocks if b["state"] == "active_allocated")
+            segments.append({"device": gpu, "address": addr, "total_size": sum(b["size"] for b in blocks),
+                             "allocated_size": allocated, "active_size": allocated,
+                             "requested_size": sum(b["requested_size"] for b in blocks),
+                             "stream": stream_handle(d.segments[addr].stream),
+                             "segment_type": "large" if d.segments[addr].pool else "small",
+                             "segment_pool_id": (0, 0), "is_expandable": False, "frames": blocks[0]["frames"],
+                             "blocks": blocks})
+    traces = [list(t) for t in history.traces] if history is not None else [[] for _ in devices]
     return {"segments": segments, "device_traces": traces,
             "allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": "", "max_split_size": -1,
                                    "garbage_collection_threshold": 0.0, "expandable_segments": False,
