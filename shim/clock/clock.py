@@ -217,14 +217,14 @@ class Clock:
     def fused(self, gpu: int, kernels: list) -> None:
         """A compiled graph's kernels, one after another on the current stream of ``gpu``.
 
-        ``kernels``: ``(name, flops or None, bytes, dtype or None)`` of each kernel the compiler
-        generated (shim/clock/compiled.py), each timed as one kernel (:func:`shim.clock.roofline.kernel_cost`).
+        ``kernels``: ``(name, flops or None, bytes, dtype or None, attention or None)`` of each kernel the
+        compiler generated (shim/clock/compiled.py), each timed as one kernel (:func:`shim.clock.roofline.kernel_cost`).
         """
         with self.lock:
             key = (gpu, self.stream_of(gpu))
             start = max(self.streams.get(key, 0.0), self.host)
-            for name, flops, nbytes, dtype in kernels:
-                start = self._run(key, name, start, kernel_cost(flops, nbytes, dtype, self.profile))
+            for name, flops, nbytes, dtype, attn in kernels:
+                start = self._run(key, name, start, kernel_cost(flops, nbytes, dtype, self.profile, attn))
             self.streams[key] = start
 
     def kernel(self, gpu: int, name: str, cost: OpCost, tensors) -> None:

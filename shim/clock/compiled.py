@@ -3,8 +3,9 @@
 A compiled graph runs on the host without a dispatch per op (shim/compile/torch_compile.py),
 so shim/clock/clock.py sees none of its ops. Inductor knows each kernel it generates
 (a fusion of pointwise and reduction ops, or an extern kernel such as a GEMM):
-as it schedules a graph, each kernel's FLOPs (``estimate_flops``: the GEMMs,
-convolutions and attention it holds) and the bytes it reads and writes
+as it schedules a graph, each kernel's FLOPs (``estimate_flops``: the GEMMs and
+convolutions it holds; an attention kernel's, and the rate it runs at, as the eager
+op's: shim/clock/attention.py) and the bytes it reads and writes
 (``get_read_write_buffers_sizes``: its inputs and outputs in memory, not what it
 keeps in registers) are kept with the compiled graph, and each call of the graph
 runs them one after another on the current stream, each timed by the roofline
@@ -17,11 +18,13 @@ scheduled, and would run unpriced.
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 
 import torch
 
+from shim.clock.attention import Attention, attention, is_attention
 from shim.import_hooks import after_import
 from shim.rank.runtime import RUNTIME
 
@@ -29,7 +32,8 @@ _pending = threading.local()  # the kernels scheduled since the last compiled gr
 
 
 def _kernel(node) -> tuple | None:
-    """``(name, flops, bytes, dtype)`` of the kernel a scheduler node stands for; None for one that runs none."""
+    """``(name, flops, bytes, dtype, attention)`` of the kernel a scheduler node stands for (``attention``: the
+    :class:`~shim.clock.attention.Attention` of an extern attention kernel, else None); None for one that runs none."""
     from torch._inductor.ir import MultiOutput
     from torch._inductor.scheduler import NopKernelSchedulerNode
 
@@ -41,11 +45,35 @@ def _kernel(node) -> tuple | None:
         flops = node.estimate_flops() or _fallback_flops(node) or None
     except Exception:  # noqa: BLE001 - an estimate inductor cannot make: the kernel is timed by its bytes
         flops = None
+    attn = _attention(node)
+    if attn is not None:
+        flops = attn.flops  # the pairs it computes (a causal pass half of them), not torch's count of all
     nbytes = int(node.get_read_write_buffers_sizes())
     dtype = next(filter(None, map(_dtype, node.get_nodes())), None)
     if flops is not None and dtype is None:
         dtype = torch.float32  # a kernel whose buffers name no dtype: the math at the fp32 rate
-    return name, flops, nbytes, dtype
+    return name, flops, nbytes, dtype, attn
+
+
+def _attention(node) -> Attention | None:
+    """What an extern kernel running one attention op computes, from its FX node's op and fake-tensor
+    arguments, so a compiled graph's attention is priced as the eager op is (its FLOPs and rate)."""
+    if not node.is_extern() or node.node is None:
+        return None
+    from torch.fx.node import map_arg
+
+    for origin in node.node.get_origins():
+        if is_attention(origin.target):
+            value = functools.partial(_meta_value, origin)
+            return attention(origin.target, map_arg(origin.args, value), map_arg(origin.kwargs, value))
+    return None
+
+
+def _meta_value(origin, arg):
+    """The fake tensor (or value) an FX node argument of ``origin`` stands for."""
+    if "val" not in arg.meta:
+        raise RuntimeError(f"mirage: clocked mode cannot price {origin.target}: its argument {arg} has no value")
+    return arg.meta["val"]
 
 
 def _fallback_flops(node) -> int | None:
@@ -125,23 +153,6 @@ def _hook_output_code() -> None:
     compiled.__call__ = _charging(compiled.__call__)
 
 
-def _count_host_attention() -> None:
-    """Give the CPU flash attention the FLOP formulas of the GPU's, whose place it takes in compiled graphs.
-
-    Eagerly the emulated GPU runs ``_scaled_dot_product_flash_attention`` (priced by its formula);
-    a compiled graph, traced over the host tensors, holds the CPU variant, which torch's flop counter
-    does not know: inductor's estimate of that kernel was None, and it was priced by its bytes alone.
-    """
-    from torch.utils import flop_counter
-
-    aten = torch.ops.aten
-    for host, gpu in ((aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention),
-                      (aten._scaled_dot_product_flash_attention_for_cpu_backward,
-                       aten._scaled_dot_product_flash_attention_backward)):
-        if host not in flop_counter.flop_registry:
-            flop_counter.flop_registry[host] = flop_counter.flop_registry[gpu]
-
-
 def install() -> None:
     """In clocked mode, once dynamo is imported: price compiled graphs by their kernels (see above)."""
     import torch._functorch.config
@@ -149,7 +160,6 @@ def install() -> None:
 
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
-    _count_host_attention()
     after_import("torch._inductor.scheduler", _hook_scheduler)
     after_import("torch._inductor.output_code", _hook_output_code)
 

@@ -5,10 +5,11 @@ An op's modeled duration on the profile's GPU is
     max(flops / (peak(dtype) · compute_efficiency(dtype)), bytes / (hbm · MEMORY_EFFICIENCY)) + KERNEL_LAUNCH_S
 
 with the FLOPs from torch's own formulas (``torch.utils.flop_counter.flop_registry``: matmuls,
-convolutions, attention) and the bytes from the sizes of the tensors the op reads and writes. An op
+convolutions) and the bytes from the sizes of the tensors the op reads and writes. An op
 torch has no formula for (elementwise ops, norms, reductions, copies) costs its bytes alone and is
 flagged ``has_formula=False``, so a report can count how much of a run's time is bytes-only. Views and
-allocations launch no kernel and cost nothing.
+allocations launch no kernel and cost nothing. Attention kernels count the pairs they do not mask
+and compute at a fraction of the GEMM rate of their own (``shim/clock/attention.py``).
 
 Only tensor metadata is read (shape, stride, dtype): the function works on meta tensors and on the
 shim's emulated tensors alike and computes nothing heavy. Clocked mode calls it for every op
@@ -24,6 +25,7 @@ from types import MappingProxyType
 
 import torch
 
+from shim.clock.attention import Attention, attention, is_attention
 from wire.profiles import Profile
 
 # In a rank torch.version.hip is set (the shim reports ROCm), so importing flop_counter would log
@@ -184,7 +186,7 @@ def _flops(formula, func, args, kwargs, out) -> int:
 
 # What op_cost needs to know of each op, worked out once and found by id (OpOverload.__hash__ is a
 # Python method): the op itself (so its id stays its own), whether it launches no kernel, whether it
-# only writes ``self``, and its FLOP formula.
+# only writes ``self``, its FLOP formula, and whether it is attention (priced by shim/clock/attention.py).
 _OPS: dict[int, tuple] = {}
 
 
@@ -193,7 +195,8 @@ def _op(func) -> tuple:
     if facts is None:
         packet = getattr(func, "overloadpacket", func)
         free = getattr(func, "is_view", False) or packet in _NO_KERNEL
-        facts = _OPS[id(func)] = (func, free, packet in _WRITE_ONLY_SELF, flop_registry.get(packet))
+        facts = _OPS[id(func)] = (func, free, packet in _WRITE_ONLY_SELF, flop_registry.get(packet),
+                                  is_attention(func))
     return facts
 
 
@@ -204,7 +207,7 @@ def op_cost(func, args, kwargs, out, profile: Profile) -> OpCost:
     emulated ones, only their metadata is read.
     """
     kwargs = kwargs or {}
-    _, free, write_only_self, formula = _op(func)
+    _, free, write_only_self, formula, is_attn = _op(func)
     if free:
         return OpCost(0.0, 0, 0, "free", False)
 
@@ -216,21 +219,28 @@ def op_cost(func, args, kwargs, out, profile: Profile) -> OpCost:
     if not inputs and not outputs:
         return OpCost(0.0, 0, 0, "free", False)
     nbytes = sum(tensor_bytes(t) for t in inputs) + sum(tensor_bytes(t) for t in outputs)
-    if formula is None:
+    if formula is None and not is_attn:
         return kernel_cost(None, nbytes, None, profile)
-    flops = _flops(formula, func, args, kwargs, out)
     # The math runs in the inputs' dtype (an fp8 GEMM writes bf16 but multiplies at the fp8 rate).
     tensors = inputs + outputs
     dtype = next((t.dtype for t in tensors if t.dtype.is_floating_point), tensors[0].dtype)
-    return kernel_cost(flops, nbytes, dtype, profile)
+    if is_attn:
+        kind = attention(func, args, kwargs)
+        return kernel_cost(kind.flops, nbytes, dtype, profile, kind)
+    return kernel_cost(_flops(formula, func, args, kwargs, out), nbytes, dtype, profile)
 
 
-def kernel_cost(flops: int | None, nbytes: int, dtype: torch.dtype | None, profile: Profile) -> OpCost:
+def kernel_cost(flops: int | None, nbytes: int, dtype: torch.dtype | None, profile: Profile,
+                attn: Attention | None = None) -> OpCost:
     """The roofline of one kernel that moves ``nbytes`` and computes ``flops`` in ``dtype`` (None: no formula,
-    its time is its bytes); an op's (:func:`op_cost`), or a kernel a compiler fused from several."""
+    its time is its bytes); an op's (:func:`op_cost`), or a kernel a compiler fused from several. An
+    attention kernel (``attn``) computes at its fraction of the GEMM rate (:class:`shim.clock.attention.Attention`)."""
     if flops is None:
         return OpCost(memory_seconds(nbytes, profile) + KERNEL_LAUNCH_S, 0, nbytes, "bytes-only", False)
-    return roofline_cost(compute_seconds(flops, dtype, profile), flops, nbytes, profile)
+    compute_s = compute_seconds(flops, dtype, profile)
+    if attn is not None:
+        compute_s /= attn.fraction
+    return roofline_cost(compute_s, flops, nbytes, profile)
 
 
 def compute_seconds(flops: int, dtype: torch.dtype, profile: Profile) -> float:
