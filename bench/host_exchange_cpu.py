@@ -116,9 +116,11 @@ class Linked:
                             exchanges[h].take(int(msg.host[1:]), msg, data, sends[h])
 
     def sent(self) -> int:
+        """Data bytes all hosts sent so far (sealed chunks, less their tags)."""
         return sum(x.sent_bytes for x in self.links)
 
     def close(self) -> None:
+        """Close every link and the ZeroMQ context."""
         for x in self.links:
             x.close()
         self.ctx.term()
