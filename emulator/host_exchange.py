@@ -40,10 +40,12 @@ from wire import kernels
 from wire import peers as p
 from wire import schema as s
 
-#: Bytes per chunk between hosts: large enough that a chunk's header, its Python and its seal cost little
-#: beside its bytes, small enough that the hosts' links are busy both ways from the first chunks (1, 2 and
-#: 4 MiB measured alike here, within the noise of a shared box). At most ``wire.peers.MAX_PEER_FRAME_BYTES``.
-CHUNK_BYTES = 1 << 20
+#: Bytes per chunk between hosts: each chunk costs its host daemons about 0.1-0.25 ms of CPU besides its bytes
+#: (header, seal and open calls, ZeroMQ's frames and wake-ups), so 4 MiB took 15-20% less CPU than 1 MiB for a
+#: 32 MiB all-reduce on 2 and 4 hosts, 256 KiB 60% more, 8 MiB no less (``bench/host_exchange_cpu.py --links``,
+#: docs/scaling.md); a 32 MiB all-reduce still pipelines 4 chunks per host pair on 2 hosts. At most
+#: ``wire.peers.MAX_PEER_FRAME_BYTES``.
+CHUNK_BYTES = 4 << 20
 #: Bytes of local reduction and sends per turn of the daemon's loop, so that it keeps reading its links.
 TURN_BYTES = 8 << 20
 #: Sends a chunk to host ``j`` (an index into the exchange's hosts), its bytes read before it returns.

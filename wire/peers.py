@@ -25,7 +25,7 @@ from wire import schema as s
 #: every peer message class by its ``type``
 PEER_TYPES: dict[str, type[PeerMessage]] = {}
 #: The largest data a peer sends after one header: a chunk of a collective (``emulator.host_exchange.CHUNK_BYTES``,
-#: which stays under it); a link drops the connection of a peer that sends more, before buffering it.
+#: at most this); a link drops the connection of a peer that sends more, before buffering it.
 MAX_PEER_FRAME_BYTES = 4 << 20
 
 
