@@ -274,3 +274,45 @@ def test_clocked_mode_times_the_ops_in_cpp_as_python_does(tmp_path):
     all_in_python = int(python[-1].split()[-3])
     assert python[-1] == f"{loss} priced in Python {all_in_python} of {kernels}"
     assert kernels > 50 and in_python < all_in_python / 2, (cpp[-1], python[-1])  # most ops in C++ here
+
+
+_OPTIMIZER_STEP = r"""
+import torch
+from shim.tensor import wrapper as T
+
+general = []
+run = T._dispatch
+def counted(func, plan, args, kwargs):
+    general.append(str(func))
+    return run(func, plan, args, kwargs)
+T._dispatch = counted
+
+def train(device):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)).to(device)
+    x = torch.randn(5, 8).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(3):
+        del general[:]
+        opt.zero_grad()
+        torch.cat([model(x), model(x)]).square().mean().backward()
+        opt.step()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        seen = list(general)
+    return seen, [p.detach().cpu() for p in model.parameters()]
+
+seen, gpu = train("cuda")
+_, cpu = train("cpu")
+print("general path:", seen)
+print("equal:", all(torch.equal(a, b) for a, b in zip(gpu, cpu)))
+"""
+
+
+def test_an_optimizer_step_keeps_off_the_general_path(tmp_path):
+    """A training step's ops with keyword arguments or tensor lists (autograd's ``ones_like(pin_memory=False)``,
+    the foreach ops of SGD and ``clip_grad_norm_``, ``cat``) take the fast path of ``__torch_dispatch__``, not
+    the general one (~5 us more each; docs/performance.md, "torch.compile"), and compute what the CPU does."""
+    r = mirage_run(tmp_path, "--in-process", "--", "python", "-c", _OPTIMIZER_STEP)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "[0] general path: []" in r.stdout, r.stdout
+    assert "[0] equal: True" in r.stdout, r.stdout

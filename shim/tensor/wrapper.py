@@ -7,8 +7,8 @@ index lives on the wrapper (``_gpu``), and Python sees ``device`` as
 ``cuda:<_gpu>``. Every aten op on a wrapper reaches ``__torch_dispatch__``,
 which runs it on the CPU tensors inside and wraps the results again.
 
-Up to 650 lines on purpose: the class and its ``__torch_dispatch__`` are the hot
-path of every op, read together; the parts that stand alone live beside it
+Up to 700 lines on purpose: the class and its ``__torch_dispatch__`` (with its fast
+path) are the hot path of every op, read together; the parts that stand alone live beside it
 (:mod:`shim.tensor.fast_dispatch`, :mod:`shim.ops.attention`, :mod:`shim.device.rng`).
 """
 
@@ -183,8 +183,8 @@ class MirageTensor(torch.Tensor):
             plan = _PLANS.get(id(func))  # by id: OpOverload.__hash__ is a Python method
             if plan is None:
                 plan = _PLANS[id(func)] = _Plan(func)  # the plan holds func, so the id stays its own
-            out = _fast(plan, args) if plan.fast and not kwargs else None
-            if out is None:
+            out = _fast(plan, args, kwargs) if plan.fast else _GENERAL
+            if out is _GENERAL:
                 out = _dispatch(func, plan, args, kwargs)
             clock = RUNTIME.clock
             if clock is not None and plan.kind != _COLLECTIVE and not _tracing(args):
@@ -213,6 +213,9 @@ _SYNCING = frozenset({_aten._local_scalar_dense.default, _aten.nonzero.default, 
 #: schema types that never hold a tensor or a device (SymInt is IntType here)
 _NO_TENSOR = frozenset({"IntType", "BoolType", "NumberType", "FloatType", "StringType", "ComplexType",
                         "GeneratorType", "AnyEnumType"})
+#: keyword values _fast passes on as they are (what optimizers and autograd give: alpha=, pin_memory=False):
+#: no tensor, device or list among them, which only the general path converts
+_PLAIN_KWARG = frozenset({int, float, bool, type(None), torch.dtype, torch.memory_format, torch.layout})
 
 
 def _tensor_slot(t) -> bool | None:
@@ -232,7 +235,7 @@ def _tensor_slot(t) -> bool | None:
 class _Plan:
     """What dispatching one op needs to know, read from its schema once."""
 
-    __slots__ = ("func", "kind", "run", "mixed_ok", "view", "fast", "tensors")
+    __slots__ = ("func", "kind", "run", "mixed_ok", "view", "fast", "tensors", "lists")
 
     def __init__(self, func):
         self.func = func
@@ -255,24 +258,51 @@ class _Plan:
         self.mixed_ok = func in _MIXED_OK
         # a view op's outputs share the storage of its first argument
         self.view = bool(getattr(func, "is_view", False))
-        slots = [_tensor_slot(a.type) for a in func._schema.arguments if not a.kwarg_only]
+        positional = [a for a in func._schema.arguments if not a.kwarg_only]
+        slots = [_tensor_slot(a.type) for a in positional]
+        # Tensor[] arguments (the optimizers' and clip_grad_norm_'s foreach ops, cat, stack): one unwrap each
+        self.lists = tuple(i for i, a in enumerate(positional) if str(a.type) == "List[Tensor]")
+        for i in self.lists:
+            slots[i] = False
         self.tensors = tuple(i for i, slot in enumerate(slots) if slot)
         # an op that waits for the GPU takes the general path, where set_sync_debug_mode is honoured
         self.fast = self.kind == _PLAIN and None not in slots and func not in _SYNCING
 
 
 _PLANS: dict[int, _Plan] = {}
+#: what _fast answers for a call it leaves to the general path (None is an op's result: in-place foreach ops')
+_GENERAL = object()
 
 
-def _fast(plan: _Plan, args: tuple):
-    """``_dispatch`` of a plain op called with positional arguments only; None to take the general path.
+def _fast(plan: _Plan, args: tuple, kwargs: dict | None):
+    """``_dispatch`` of a plain op whose keyword arguments, if any, are plain values; :data:`_GENERAL` to leave
+    it to the general path.
 
-    Anything unusual (tensors on two GPUs, or a CPU tensor alongside) goes the general way, which
-    allows it or raises the device's error.
+    Anything unusual (tensors on two GPUs, or a CPU tensor alongside, a list holding anything but
+    emulated tensors) goes the general way, which allows it or raises the device's error.
     """
+    if kwargs:
+        for v in kwargs.values():
+            if type(v) not in _PLAIN_KWARG:
+                return _GENERAL
     uargs = list(args)
     first = None
     n = len(args)
+    listed = []  # the emulated tensors in Tensor[] arguments
+    for i in plan.lists:
+        if i >= n:
+            break
+        inner = []
+        for a in args[i]:
+            if not isinstance(a, MirageTensor):
+                return _GENERAL
+            if first is None:
+                first = a
+            elif a._gpu != first._gpu:
+                return _GENERAL
+            inner.append(a._elem)
+        listed += args[i]
+        uargs[i] = inner
     for i in plan.tensors:
         if i >= n:
             break
@@ -281,23 +311,26 @@ def _fast(plan: _Plan, args: tuple):
             if first is None:
                 first = a
             elif a._gpu != first._gpu:
-                return None
+                return _GENERAL
             uargs[i] = a._elem
         elif isinstance(a, torch.Tensor):
             if a.dim() > 0:  # 0-dim CPU tensors (and numbers) are scalars
-                return None
+                return _GENERAL
             if a.device.type == BACKEND:
                 uargs[i] = _scalar_on_host(a)
     if first is None:
-        return None
+        return _GENERAL
     override = dev.allocation_override()
     gpu = first._gpu if override is None else override
-    if RUNTIME.settings.estimate and estimate.mixed(uargs):
-        out = estimate.run_without_values(plan.run, plan.func, args, None, uargs, {})
+    if RUNTIME.settings.estimate:
+        if kwargs or listed:
+            return _GENERAL  # its rules for tensors without values are the general path's
+        out = (estimate.run_without_values(plan.run, plan.func, args, None, uargs, {}) if estimate.mixed(uargs)
+               else plan.run(*uargs))
     else:
-        out = plan.run(*uargs)
+        out = plan.run(*uargs, **kwargs) if kwargs else plan.run(*uargs)
     if type(out) is not torch.Tensor:
-        return _wrap(out, gpu, [a for a in args if isinstance(a, MirageTensor)], plan, args)
+        return _wrap(out, gpu, [a for a in args if isinstance(a, MirageTensor)] + listed, plan, args)
     for a in args:  # in-place ops (and lift_fresh) return their argument: hand back the same wrapper
         if isinstance(a, MirageTensor) and a._elem is out:
             return _same_wrapper(a, out, gpu)
