@@ -25,8 +25,8 @@ def test_exposed_communication_is_what_compute_does_not_cover():
 @pytest.mark.usefixtures("no_orphans")
 @pytest.mark.filterwarnings("ignore:The inplace keyword")  # HTA 0.5 on pandas 3
 def test_clocked_ddp_reports_steps_and_timed_collectives(tmp_path):
-    r = mirage_run(tmp_path, "--exec-mode", "clocked", "--gpus-per-node", "2", "--", "torchrun", "--standalone",
-                   "--nproc_per_node=2", str(FIXTURES / "ddp_mlp.py"), steps=10)
+    r = mirage_run(tmp_path, "--exec-mode", "clocked", "--gpus-per-node", "2", "--nproc-per-node", "2",
+                   "--", "python", str(FIXTURES / "ddp_mlp.py"), steps=10)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "[0] ddp_mlp_ok" in r.stdout.splitlines()
     ev = events(tmp_path)
@@ -77,7 +77,7 @@ def _hta_overlap(traces):
 
 @pytest.mark.usefixtures("no_orphans")
 def test_functional_mode_keeps_no_clock(tmp_path):
-    r = mirage_run(tmp_path, "--gpus-per-node", "2", "--", "torchrun", "--standalone", "--nproc_per_node=2",
+    r = mirage_run(tmp_path, "--gpus-per-node", "2", "--nproc-per-node", "2", "--", "python",
                    str(FIXTURES / "ddp_mlp.py"), steps=3)
     assert r.returncode == 0, r.stdout + r.stderr
     ev = events(tmp_path)
@@ -105,8 +105,8 @@ def _timed_steps(stdout: str, rank: int) -> list[tuple[float, float]]:
 @pytest.mark.usefixtures("no_orphans")
 def test_program_clock_emulated_prints_the_prediction(tmp_path):
     """--program-clock emulated: a step timed with perf_counter/time.time around synchronize() is the prediction."""
-    r = mirage_run(tmp_path, "--exec-mode", "clocked", "--program-clock", "emulated", "--gpus-per-node", "2", "--",
-                   "torchrun", "--standalone", "--nproc_per_node=2", str(FIXTURES / "timed_steps.py"), steps=6)
+    r = mirage_run(tmp_path, "--exec-mode", "clocked", "--program-clock", "emulated", "--gpus-per-node", "2",
+                   "--nproc-per-node", "2", "--", "python", str(FIXTURES / "timed_steps.py"), steps=6)
     assert r.returncode == 0, r.stdout + r.stderr
     ev = events(tmp_path)
     clocked = json.loads((run_dir(tmp_path) / "report.json").read_text())["clocked"]

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.usefixtures("no_orphans")
 def named_run(tmp_path_factory):
     """One run of the fixture, shared by this file's tests (4 ranks take a while to start on two cores)."""
     tmp = tmp_path_factory.mktemp("named")
-    r = mirage_run(tmp, "--gpus-per-node", "4", "--", "torchrun", "--standalone", "--nproc_per_node=4",
+    r = mirage_run(tmp, "--gpus-per-node", "4", "--nproc-per-node", "4", "--", "python",
                    str(FIXTURES / "named_groups.py"))
     assert r.returncode == 0, r.stderr[-3000:]
     return tmp

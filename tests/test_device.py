@@ -24,7 +24,7 @@ def test_device_surface_memory_rng_streams_autocast_sdpa(tmp_path):
 
 def test_reset_parameters_on_sharded_dtensors_draws_per_shard_and_per_seed(tmp_path):
     """FSDP2 and TP meta-init + to_empty("cuda") + reset_parameters(): DTensor's RNG tracker on the GPU generators."""
-    r = mirage_run(tmp_path, "--gpus-per-node", "2", "--", "torchrun", "--standalone", "--nproc_per_node=2",
+    r = mirage_run(tmp_path, "--gpus-per-node", "2", "--nproc-per-node", "2", "--", "python",
                    str(FIXTURES / "dtensor_init.py"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "[0] dtensor_init_ok" in r.stdout.splitlines()

@@ -260,7 +260,7 @@ def _mirage_run(tmp_path, ranks: int, fixture: str, *env: str, timeout: float = 
     env_args = [a for e in env for a in ("--env", e)]
     return subprocess.run(
         [sys.executable, "-m", "mirage_tui", "run", "--log-dir", str(tmp_path), "--gpus-per-node", str(ranks),
-         *env_args, "--", "torchrun", "--standalone", f"--nproc_per_node={ranks}", os.path.join(FIXTURES, fixture)],
+         *env_args, "--nproc-per-node", str(ranks), "--", "python", os.path.join(FIXTURES, fixture)],
         env=run_env, capture_output=True, text=True, timeout=timeout,
     )
 

@@ -1,6 +1,6 @@
 """``--exec-mode estimate`` (issue 30, section 2): the clock and the GPU memory without the values.
 
-Real ``mirage run`` sessions of torchrun + DDP (``fixtures/ml/estimate_ddp.py``), no mocks: at a
+Real ``mirage run`` sessions of DDP (``fixtures/ml/estimate_ddp.py``), no mocks: at a
 size both modes run, estimate mode reports the same memory figures and the same predicted step
 as clocked mode; at a size the host could never hold it runs in seconds; past the profile's HBM
 it raises torch's own out-of-memory error; a value read on the host is zeros with one notice per
@@ -22,8 +22,8 @@ PROGRAM = str(FIXTURES / "estimate_ddp.py")
 
 def _run(tmp_path, mode: str, *env: str, timeout: float = 240):
     envs = [a for kv in env for a in ("--env", kv)]
-    return mirage_run(tmp_path, "--gpus-per-node", "2", "--exec-mode", mode, *envs, "--", "torchrun",
-                      "--nproc-per-node", "2", PROGRAM, timeout=timeout)
+    return mirage_run(tmp_path, "--gpus-per-node", "2", "--exec-mode", mode, *envs, "--nproc-per-node", "2", "--",
+                      "python", PROGRAM, timeout=timeout)
 
 
 def _memory(stdout: str) -> list[str]:
@@ -59,8 +59,8 @@ def test_estimate_gives_clocked_modes_memory_and_step_time(tmp_path):
 def test_estimate_times_tensor_parallel_collectives_as_clocked_mode(tmp_path):
     """DTensor's functional collectives (torch's Meta kernels of them move and post nothing) are posted,
     matched and timed as in clocked mode."""
-    runs = [mirage_run(tmp_path / mode, "--gpus-per-node", "2", "--exec-mode", mode, "--", "torchrun",
-                       "--nproc-per-node", "2", str(FIXTURES / "estimate_tp.py")) for mode in ("clocked", "estimate")]
+    runs = [mirage_run(tmp_path / mode, "--gpus-per-node", "2", "--exec-mode", mode, "--nproc-per-node", "2", "--",
+                       "python", str(FIXTURES / "estimate_tp.py")) for mode in ("clocked", "estimate")]
     for r in runs:
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         assert "[0] estimate_tp_ok" in r.stdout

@@ -36,9 +36,12 @@ print(json.dumps(out))
 '''
 
 
-@pytest.fixture
-def server(tmp_path):
-    """A fork server on a socket in ``tmp_path``, and the environment that hands a process over to it."""
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A fork server, and the environment that hands a process over to it; one for the module's tests (its
+    start imports torch and the rest of the preload: ~4.5 s of CPU). A forked rank is its own process, ended
+    (and reaped) before its stub exits, so one test's ranks are gone when the next test starts."""
+    tmp_path = tmp_path_factory.mktemp("fs")
     sock = str(tmp_path / "fs.sock")
     stubdir = tmp_path / "stub"
     stubdir.mkdir()

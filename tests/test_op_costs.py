@@ -106,7 +106,7 @@ def _clocked_ddp(tmp_path, uncached: bool) -> tuple[list, list, dict, str]:
     program = tmp_path / "ddp.py"
     program.write_text(_DDP.format(fixture=str(FIXTURES / "ddp_mlp.py")))
     r = mirage_run(tmp_path / "r", "--exec-mode", "clocked", "--gpus-per-node", "2", "--env",
-                   f"UNCACHED={int(uncached)}", "--", "torchrun", "--standalone", "--nproc_per_node=2", str(program),
+                   f"UNCACHED={int(uncached)}", "--nproc-per-node", "2", "--", "python", str(program),
                    steps=6)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     out = run_dir(tmp_path / "r")

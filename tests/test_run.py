@@ -181,8 +181,8 @@ def test_in_process_mode(tmp_path):
 
 @pytest.mark.parametrize("ranks", [2, 3, 4])
 def test_collectives_match_their_definitions(tmp_path, ranks):
-    r = mirage_run(tmp_path, "--gpus-per-node", str(ranks), "--", "torchrun", "--standalone",
-                   f"--nproc_per_node={ranks}", str(FIXTURES / "collectives_check.py"))
+    r = mirage_run(tmp_path, "--gpus-per-node", str(ranks), "--nproc-per-node", str(ranks), "--", "python",
+                   str(FIXTURES / "collectives_check.py"))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "[0] collectives_ok" in r.stdout
 
@@ -197,7 +197,7 @@ def test_collective_timeout_uses_the_watchdog_wording(tmp_path):
 
 def test_ddp_does_not_stall_over_many_steps(tmp_path):
     """The seed system stalled on DDP's repeated bucketed all-reduces after a few steps; this one must not."""
-    r = mirage_run(tmp_path, "--gpus-per-node", "2", "--", "torchrun", "--standalone", "--nproc_per_node=2",
+    r = mirage_run(tmp_path, "--gpus-per-node", "2", "--nproc-per-node", "2", "--", "python",
                    str(FIXTURES / "ddp_mlp.py"), steps=500)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "[0] [rank 0] all ranks converged with identical replicas" in r.stdout
@@ -208,8 +208,8 @@ def test_ddp_does_not_stall_over_many_steps(tmp_path):
 
 @pytest.mark.parametrize("form", ["none", "mixed", "device_id"])
 def test_init_process_group_forms(tmp_path, form):
-    r = mirage_run(tmp_path, "--gpus-per-node", "2", "--env", f"INIT_FORM={form}", "--", "torchrun",
-                   "--standalone", "--nproc_per_node=2", str(FIXTURES / "init_forms.py"))
+    r = mirage_run(tmp_path, "--gpus-per-node", "2", "--env", f"INIT_FORM={form}", "--nproc-per-node", "2", "--",
+                   "python", str(FIXTURES / "init_forms.py"))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "[1] [rank 1] init_forms_ok" in r.stdout
     assert "default for cuda=nccl" in r.stdout
@@ -230,8 +230,8 @@ def test_nccl_debug_info_names_the_transport(tmp_path, launch, via):
 
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_point_to_point(tmp_path, ranks):
-    r = mirage_run(tmp_path, "--gpus-per-node", str(ranks), "--", "torchrun", "--standalone",
-                   f"--nproc_per_node={ranks}", str(FIXTURES / "p2p_check.py"))
+    r = mirage_run(tmp_path, "--gpus-per-node", str(ranks), "--nproc-per-node", str(ranks), "--", "python",
+                   str(FIXTURES / "p2p_check.py"))
     assert r.returncode == 0, r.stdout + r.stderr
     assert all(f"[{k}] [rank {k}] p2p_ok" in r.stdout for k in range(ranks))
 

@@ -104,7 +104,7 @@ def test_ddp_unused_parameters_refused_without_a_compiler(tmp_path):
 def test_backend_extras_on_four_gpus(tmp_path):
     """async Work/futures, premul_sum, monitored_barrier's refusal, new_subgroups, split_group,
     2-D DeviceMesh groups, destroy and re-init."""
-    r = mirage_run(tmp_path, "--gpus-per-node", "4", "--", "torchrun", "--standalone", "--nproc_per_node=4",
+    r = mirage_run(tmp_path, "--gpus-per-node", "4", "--nproc-per-node", "4", "--", "python",
                    str(FIXTURES / "backend_extras.py"))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "[0] backend_extras_ok" in r.stdout
@@ -112,7 +112,7 @@ def test_backend_extras_on_four_gpus(tmp_path):
 
 def test_async_collectives_soak(tmp_path):
     """Random batches of async collectives over two communicators, waited on in a different order per rank."""
-    r = mirage_run(tmp_path, "--gpus-per-node", "4", "--", "torchrun", "--standalone", "--nproc_per_node=4",
+    r = mirage_run(tmp_path, "--gpus-per-node", "4", "--nproc-per-node", "4", "--", "python",
                    str(FIXTURES / "async_soak.py"), steps=30)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "[0] async_soak_ok" in r.stdout
@@ -123,8 +123,8 @@ def test_fsdp2_matches_gloo(tmp_path):
     clip_grad_norm_ on DTensors, broadcast_from_rank0, DCP save/load round trip. (On 4 GPUs it also
     matches gloo, in 23 s: by hand, see docs/compatibility.md.)"""
     gpus, steps = 2, 4
-    r = mirage_run(tmp_path, "--gpus-per-node", str(gpus), "--env", f"FSDP2_DIR={tmp_path}", "--", "torchrun",
-                   "--standalone", f"--nproc_per_node={gpus}", str(FIXTURES / "fsdp2_train.py"), steps=steps)
+    r = mirage_run(tmp_path, "--gpus-per-node", str(gpus), "--env", f"FSDP2_DIR={tmp_path}", "--nproc-per-node",
+                   str(gpus), "--", "python", str(FIXTURES / "fsdp2_train.py"), steps=steps)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "[0] fsdp2_ok" in r.stdout
     cpu = run_on_cpu(str(FIXTURES / "fsdp2_train.py"), nprocs=gpus, steps=steps, env={"FSDP2_DIR": str(tmp_path)})
@@ -136,8 +136,8 @@ def test_pipeline_parallel_schedules_match_gloo(tmp_path, schedule):
     """torch.distributed.pipelining: a PipelineStage per rank, 4 microbatches, activations and gradients
     crossing ranks as send/recv."""
     gpus, steps = 2, 3
-    r = mirage_run(tmp_path, "--gpus-per-node", str(gpus), "--", "torchrun", "--standalone",
-                   f"--nproc_per_node={gpus}", str(FIXTURES / "pipeline_train.py"), "--schedule", schedule,
+    r = mirage_run(tmp_path, "--gpus-per-node", str(gpus), "--nproc-per-node", str(gpus), "--", "python",
+                   str(FIXTURES / "pipeline_train.py"), "--schedule", schedule,
                    steps=steps)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "[0] pipeline_ok" in r.stdout
@@ -149,8 +149,8 @@ def test_tensor_and_sequence_parallel_with_fsdp2_match_gloo(tmp_path):
     """init_device_mesh on a 2-D (dp, tp) mesh, parallelize_module (Sequence/Colwise/Rowwise/
     PrepareModuleInput) on tp, fully_shard on dp, AdamW foreach. (``--dp 1`` runs TP alone on a 1-D mesh.)"""
     gpus, dp, steps = 4, 2, 3
-    r = mirage_run(tmp_path, "--gpus-per-node", str(gpus), "--", "torchrun", "--standalone",
-                   f"--nproc_per_node={gpus}", str(FIXTURES / "tp_train.py"), "--dp", str(dp), steps=steps)
+    r = mirage_run(tmp_path, "--gpus-per-node", str(gpus), "--nproc-per-node", str(gpus), "--", "python",
+                   str(FIXTURES / "tp_train.py"), "--dp", str(dp), steps=steps)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "[0] tp_ok" in r.stdout
     cpu = run_on_cpu(str(FIXTURES / "tp_train.py"), "--dp", str(dp), nprocs=gpus, steps=steps)
@@ -162,7 +162,7 @@ def test_ddp_at_eight_gpus(tmp_path, nodes, gpus):
     """The DDP fixture on 8 emulated GPUs: one node, and two nodes of four over the socket transport."""
     fixture = str(FIXTURES / "ddp_mlp.py")
     if nodes == 1:
-        args = ["--gpus-per-node", "8", "--", "torchrun", "--standalone", "--nproc_per_node=8", fixture]
+        args = ["--gpus-per-node", "8", "--nproc-per-node", "8", "--", "python", fixture]
     else:  # one torchrun per emulated node, as on a cluster
         launch = ("exec torchrun --nnodes=2 --nproc_per_node=4 --node_rank=$MIRAGE_NODE_RANK "
                   f"--master_addr=$MASTER_ADDR --master_port=$MASTER_PORT {fixture}")
@@ -176,7 +176,7 @@ def test_ddp_at_eight_gpus(tmp_path, nodes, gpus):
 def test_ddp_reports_its_times_as_on_a_gpu(tmp_path):
     """DDP's reducer times forward, backward and communication on emulated GPUs (a timer registered for
     the backend's device type, ``shim/native/comms_native.cpp``), and prints no warning that it cannot."""
-    r = mirage_run(tmp_path, "--gpus-per-node", "2", "--", "torchrun", "--standalone", "--nproc_per_node=2",
+    r = mirage_run(tmp_path, "--gpus-per-node", "2", "--nproc-per-node", "2", "--", "python",
                    str(FIXTURES / "ddp_timers.py"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "[0] ddp_timers_ok" in r.stdout.splitlines()
@@ -190,7 +190,7 @@ def test_ddp_join_over_uneven_inputs_matches_gloo(tmp_path):
     all-reduced with ``pg.allreduce(tensor)`` (c10d's single-tensor overload); the weights end equal on
     both ranks and to CPU + gloo's."""
     steps = 5
-    r = mirage_run(tmp_path, "--gpus-per-node", "2", "--", "torchrun", "--standalone", "--nproc_per_node=2",
+    r = mirage_run(tmp_path, "--gpus-per-node", "2", "--nproc-per-node", "2", "--", "python",
                    str(FIXTURES / "ddp_join_uneven.py"), steps=steps)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "[0] ddp_join_uneven_ok" in r.stdout.splitlines()
@@ -205,7 +205,7 @@ def test_collectives_in_flight_complete_before_a_rank_lets_go(tmp_path, mode):
     destroys its group or exits first must not free what its peers' collectives still read: it completes
     them first, as ``ncclCommFinalize`` does, and the slower rank gets every result right."""
     r = mirage_run(tmp_path, "--gpus-per-node", "2", "--hang-timeout", "120", "--env", f"MODE={mode}",
-                   "--env", "MIRAGE_ZERO_COPY=always", "--", "torchrun", "--standalone", "--nproc_per_node=2",
+                   "--env", "MIRAGE_ZERO_COPY=always", "--nproc-per-node", "2", "--", "python",
                    str(FIXTURES / "inflight_at_exit.py"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "[0] inflight_ok" in r.stdout.splitlines()
@@ -215,7 +215,7 @@ def test_collectives_in_flight_complete_before_a_rank_lets_go(tmp_path, mode):
 def test_ddp_on_a_gpu_that_is_not_the_current_one(tmp_path):
     """DDP of a model on ``cuda:<rank>`` with no ``set_device`` (PyTorch's own DDP tests): the reducer's
     C++ allocations follow the module's GPU, not the current one (before: "Duplicate GPU detected")."""
-    r = mirage_run(tmp_path, "--gpus-per-node", "2", "--", "torchrun", "--standalone", "--nproc_per_node=2",
+    r = mirage_run(tmp_path, "--gpus-per-node", "2", "--nproc-per-node", "2", "--", "python",
                    str(FIXTURES / "ddp_no_set_device.py"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "[0] ddp_no_set_device_ok" in r.stdout.splitlines()
