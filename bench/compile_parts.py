@@ -116,14 +116,7 @@ def main() -> None:
     activate()
     torch.set_num_threads(1)
     from compile_speed import build
-
-    def native(fn):
-        """``fn()`` with the shim's mode off the stack: plain CPU torch."""
-        mode = torch._C._pop_torch_function_stack()
-        try:
-            return fn()
-        finally:
-            torch._C._push_on_torch_function_stack(mode)
+    from dispatch_inprocess import native  # fn() with the shim's mode off the stack: plain CPU torch
 
     def make(device: str):
         model, x = build(opts.model, device)

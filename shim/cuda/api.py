@@ -26,6 +26,7 @@ from shim.cuda import graphs, tunable
 from shim.device import rng
 from shim.device import state as dev
 from shim.memory import allocator  # noqa: F401 - it builds RUNTIME.allocator
+from shim.memory.history import stream_handle
 from shim.rank.runtime import RUNTIME
 
 HIP_VERSION = "6.4.43482-0f2d60242"
@@ -163,7 +164,7 @@ class Stream(torch._C.Stream):
         s = super().__new__(cls, stream_id=stream_id, device_index=0, device_type=_PRIVATEUSE1)
         s._gpu = gpu
         s.priority = max(-1, min(0, int(priority)))  # ROCm's range is (0, -1), as CUDA's
-        s.cuda_stream = 0x1000 * stream_id  # an opaque handle, unique per stream (0: the null stream)
+        s.cuda_stream = stream_handle(stream_id)  # an opaque handle, unique per stream (0: the null stream)
         s._contexts = []
         return s
 

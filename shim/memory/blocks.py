@@ -385,9 +385,7 @@ class DeviceMemory:
             self.oversize_allocations.sub(1, 1)
         prev, nxt = block.prev, block.next
         if prev is None and nxt is None:  # a whole segment: no neighbour to merge
-            bisect.insort(self._free[pool], (block.stream << _STREAM_SHIFT) | (size << _SIZE_SHIFT)
-                          | (block.addr - self._base))
-            self._cached[block.addr] = block
+            self._cache(block)
             return
         split_blocks, split_bytes = 0, 0
         if prev is not None and not prev.allocated:

@@ -94,7 +94,7 @@ class History:
 
 
 def stream_handle(stream: int) -> int:
-    """The ``cudaStream_t`` torch shows for the emulated stream of id ``stream`` (shim/cuda/api.py's handles)."""
+    """The ``cudaStream_t`` of the emulated stream of id ``stream``: its ``cuda_stream``, and what snapshots show."""
     return 0x1000 * stream
 
 
