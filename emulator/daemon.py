@@ -133,10 +133,11 @@ class Daemon:
             with open(os.path.join(run_dir, TCP_ENDPOINT_FILE), "w") as f:
                 f.write(tcp)
         self.events = EventPublisher(self.ctx, events)
-        self.ranks = RankProcesses(socket.gethostname())  # which process is each rank, and is it alive
-        self.collectives = Collectives(session, gpus_per_node, clock, self.events, self.reply, self.ranks)
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
+        self.ranks = RankProcesses(socket.gethostname(),  # which process is each rank; its pidfd wakes the loop
+                                   watch=lambda fd: self.poller.register(fd, zmq.POLLIN), unwatch=self.poller.unregister)
+        self.collectives = Collectives(session, gpus_per_node, clock, self.events, self.reply, self.ranks)
         # a host's daemon in a multi-host run: links to the other hosts' daemons, for communicators across hosts
         self.links = None
         if peer_listen:
@@ -384,7 +385,8 @@ class Daemon:
             links = self.links
             for sock, flags in ready.items():
                 if sock is not self.router and (links is None or sock is not links.router):
-                    self.fast.ready(sock, flags)
+                    if not self.fast.ready(sock, flags) and self.ranks.is_pidfd(sock):
+                        self.check_peers()  # a rank died: at once, the first rank to go is the one to name
             if self.router in ready:
                 self.read_router()
             if links is not None and links.router in ready:
@@ -442,6 +444,7 @@ class Daemon:
         self.events.close()
         self.collectives.close()
         self.fast.close()
+        self.ranks.close()
         if self.links is not None:
             self.links.close()
         self.router.close(0)

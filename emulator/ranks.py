@@ -4,18 +4,28 @@ A rank registers its process with ``Hello`` (the last registration of a rank
 counts: an ``mp.spawn`` child replaces the parent that claimed its rank at
 start-up). The daemon checks pids only of its own host; of another host's
 processes it knows what that host's agent told the session (``RankExited``).
+
+A local rank's process is watched through a pidfd in the daemon's poller, so
+the daemon wakes the moment a rank dies: the first rank to go is the one the
+session names as the cause, and a launcher tears the others down milliseconds
+later.
 """
 
 from __future__ import annotations
 
-from wire.procfs import alive
+import os
+from collections.abc import Callable
+
+from wire.procfs import alive, cause_first
 
 
 class RankProcesses:
     """Global rank -> registered pid and host, the ranks gone (and how), the ranks stopped in a debugger."""
 
-    def __init__(self, host: str):
+    def __init__(self, host: str, watch: Callable[[int], None], unwatch: Callable[[int], None]):
         self.host = host  # this daemon's machine: ranks on another host are watched by their host's agent
+        self._watch, self._unwatch = watch, unwatch  # add / remove a pidfd in the daemon's poller
+        self.pidfds: dict[int, int] = {}  # local global rank -> pidfd of its registered process
         self.pids: dict[int, int] = {}  # global rank -> pid, from Hello
         self.hosts: dict[int, str] = {}  # global rank -> the host its pid is on, from Hello
         self.dead: dict[int, str] = {}  # global rank -> how it went
@@ -26,9 +36,17 @@ class RankProcesses:
 
     def register(self, rank: int, pid: int, host: str) -> None:
         """``rank`` is process ``pid`` of ``host`` from now on."""
+        self._forget_pidfd(rank)
         self.pids[rank] = pid
         self.hosts[rank] = host
         self.dead.pop(rank, None)  # a restarted rank (torchrun --max-restarts) is alive again
+        if self.local(host):
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:  # already gone (the next check finds it), or a kernel without pidfds: checks only
+                return
+            self.pidfds[rank] = fd
+            self._watch(fd)
 
     def exited_elsewhere(self, rank: int, pid: int, host: str) -> bool:
         """Note that process ``pid`` of another ``host`` exited; whether it was ``rank``'s registered process."""
@@ -43,6 +61,7 @@ class RankProcesses:
         """``rank``'s process is gone (``how`` says how); returns its pid."""
         pid = self.pids.pop(rank)
         self.hosts.pop(rank, None)
+        self._forget_pidfd(rank)
         self.dead[rank] = how
         return pid
 
@@ -55,8 +74,24 @@ class RankProcesses:
         return alive(pid) if self.local(host) else (host, pid) not in self._gone_elsewhere
 
     def exited(self) -> list[tuple[int, int]]:
-        """The registered (rank, pid) of this host whose process is gone, not yet marked :meth:`gone`."""
-        return [(rank, pid) for rank, pid in self.pids.items() if self._local_rank(rank) and not alive(pid)]
+        """The registered (rank, pid) of this host whose process is gone, not yet marked :meth:`gone`.
+
+        Several found at once: a rank its launcher terminated comes after one that died otherwise (killed,
+        crashed, exited), which was likelier the cause; rank order among equals.
+        """
+        found = [(rank, pid) for rank, pid in self.pids.items() if self._local_rank(rank) and not alive(pid)]
+        if len(found) > 1:
+            found.sort(key=lambda rank_pid: cause_first(rank_pid[1]))
+        return found
+
+    def is_pidfd(self, fd: int) -> bool:
+        """Whether ``fd`` (ready in the poller) is a watched rank's pidfd: that rank's process has ended."""
+        return fd in self.pidfds.values()
+
+    def close(self) -> None:
+        """Stop watching every process."""
+        for rank in list(self.pidfds):
+            self._forget_pidfd(rank)
 
     def left_debugger(self) -> list[int]:
         """Ranks of this host that died in their debugger ('q'), forgotten as debugged from now on."""
@@ -68,6 +103,12 @@ class RankProcesses:
     def local_pids(self) -> list[int]:
         """The registered pids of this host's ranks (another host's are its agent's to stop)."""
         return [pid for rank, pid in self.pids.items() if self._local_rank(rank)]
+
+    def _forget_pidfd(self, rank: int) -> None:
+        fd = self.pidfds.pop(rank, None)
+        if fd is not None:
+            self._unwatch(fd)
+            os.close(fd)
 
     def _local_rank(self, rank: int) -> bool:
         return self.local(self.hosts.get(rank, ""))

@@ -755,3 +755,85 @@ def test_bad_registrations_and_references_get_error_replies(fresh_daemon):
     for x in (r, w, ro, fd):
         os.close(x)
     m.close()
+
+
+def _sleepers(n: int) -> list:
+    """``n`` processes that wait to be killed; the test does not reap them, so they stay zombies once dead."""
+    import subprocess
+
+    return [subprocess.Popen(["sleep", "60"]) for _ in range(n)]
+
+
+def test_first_rank_to_go_is_named_first_even_when_its_launcher_ends_the_rest_at_once(fresh_daemon):
+    """Rank 1 is killed and its launcher terminates rank 0 within the same millisecond (torchrun's teardown):
+    the daemon reports rank 1 gone first, the rank the session then names as the cause."""
+    import signal
+
+    procs = _sleepers(2)
+    events = Events(fresh_daemon)
+    c = fresh_daemon.client()
+    try:
+        for rank, proc in enumerate(procs):
+            assert isinstance(c.call(s.Hello(rank=rank, node=0, pid=proc.pid)), s.Ok)
+        procs[1].send_signal(signal.SIGKILL)
+        procs[0].send_signal(signal.SIGTERM)
+        seen: list[s.Event] = []
+        gone: list[int] = []
+        deadline = time.monotonic() + TIMEOUT_S
+        while len(gone) < 2 and time.monotonic() < deadline:
+            seen += events.drain(0.5)
+            gone = [e.rank for e in seen if isinstance(e, s.RankGone)]
+        assert gone == [1, 0]
+    finally:
+        events.close()
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_rank_killed_while_the_daemon_waits_is_seen_through_its_pidfd():
+    """The daemon sleeps in its poller; a rank's death wakes it (its pidfd), not the next scan."""
+    import select
+
+    from emulator.ranks import RankProcesses
+
+    watched: list[int] = []
+    books = RankProcesses("here", watch=watched.append, unwatch=watched.remove)
+    (proc,) = _sleepers(1)
+    try:
+        books.register(0, proc.pid, "")
+        (fd,) = watched
+        assert books.is_pidfd(fd) and books.exited() == []
+        assert select.select([fd], [], [], 0)[0] == []
+        proc.kill()
+        assert select.select([fd], [], [], TIMEOUT_S)[0] == [fd]
+        assert books.exited() == [(0, proc.pid)]
+        books.gone(0, "killed")
+        assert watched == [] and not books.is_pidfd(fd)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_ranks_found_gone_together_put_the_one_a_launcher_terminated_last():
+    """Found in one check, both dead: the SIGTERMed rank 0 (a teardown) after the SIGKILLed rank 1."""
+    import signal
+
+    from emulator.ranks import RankProcesses
+
+    books = RankProcesses("here", watch=lambda fd: None, unwatch=lambda fd: None)
+    procs = _sleepers(2)
+    try:
+        procs[0].send_signal(signal.SIGTERM)  # first in time, and still the effect, not the cause
+        procs[1].send_signal(signal.SIGKILL)
+        for rank, proc in enumerate(procs):
+            books.register(rank, proc.pid, "")
+        deadline = time.monotonic() + TIMEOUT_S
+        while len(books.exited()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [rank for rank, _ in books.exited()] == [1, 0]
+    finally:
+        books.close()
+        for proc in procs:
+            proc.kill()
+            proc.wait()
