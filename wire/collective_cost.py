@@ -7,8 +7,9 @@ The shape follows RCCL's tuner (ROCm/rccl ``src/graph/tuning.cc``, read at commi
 RCCL would pick. Where RCCL's tuning constants are selection heuristics that miss
 measured times (its 12 µs LL base latency puts an 8-GPU all-reduce at 23 µs; rccl-tests
 measures 13 µs), the constants here are calibrated to published rccl-tests figures
-instead; each says where it comes from. ``docs/clocked.md`` has the formulas and the
-validation table (``bench/clocked_collectives.py``).
+instead; each says where it comes from. Across nodes on gfx942 and gfx950 RCCL does not pick the
+protocol by cost but by size ranges (``NET_PROTOCOL_RANGES``); the model does the same.
+``docs/clocked.md`` has the formulas and the validation table (``bench/clocked_collectives.py``).
 
 Sizes follow rccl-tests' ``size`` column: the per-rank buffer for all_reduce, broadcast,
 reduce, all_to_all and send/recv; the whole gathered buffer (``count * ranks``) for
@@ -132,8 +133,73 @@ MULTI_NODE_CHANNELS = 64
 #: Send/recv use LL up to this many bytes, Simple above: RCCL enqueue.cc, NCCL_P2P_LL_THRESHOLD.
 P2P_LL_THRESHOLD = 16384
 
-#: GPU targets where RCCL enables LL128 by default (tuning.cc: gfx90a with a tuning table only).
+#: GPU targets where the model offers LL128 by cost inside a node: gfx90a, where RCCL's Rome models for
+#: MI250 set ``ll128Enabled=1`` (ROCm/rccl src/graph/rome_models.cc, ``tuning=4,ll128Enabled=1``). On gfx942
+#: and gfx950 RCCL never runs LL128 inside one node by default: the only 8-GPU, 7-link model without NICs
+#: (rome_model_79, ``noCpuCheck=1,tuning=5,disableNumaMatching=1``) leaves ``ll128Enabled`` off, and one
+#: node's NICs are trimmed before a model is matched. Across nodes see ``NET_PROTOCOL_RANGES``.
 LL128_GFX = frozenset({"gfx90a"})
+
+
+@dataclass(frozen=True)
+class ProtocolRanges:
+    """RCCL's size ranges for one collective across nodes (``llProtoRanges``): per-rank bytes."""
+
+    ll_max: int  # LL on (0, ll_max]
+    ll128_min: int  # LL128 on (ll128_min, ll128_max], where the platform enables it; it overrides LL
+    ll128_max: int
+
+
+#: Across nodes RCCL does not pick the protocol by cost on gfx942 and gfx950: after its tuner picks the
+#: algorithm, ``rcclUpdateCollectiveProtocol`` (ROCm/rocm-systems projects/rccl/src/rccl_wrap.cc at
+#: 006a440, called from ``topoGetAlgoInfo`` in src/enqueue.cc at 005e1bb) sets it by the bytes per rank
+#: alone: Simple, LL on (0, ll_max], LL128 on (ll128_min, ll128_max] when ``comm->topo->ll128Enabled``.
+#: The ranges are the ``llProtoRanges`` of the tuning model RCCL picks by arch (src/graph/tuning.cc at
+#: 03a8914, ``rcclGetTuningIndexForArch``: gfx942 -> tuning_model_5, gfx950 -> tuning_model_6). Bytes per
+#: rank (``rcclGetSizePerRank``, src/include/rccl_common.h at 00b959f) are the buffer for all_reduce and
+#: the buffer over the ranks for all_gather, reduce_scatter, broadcast and reduce. gfx950 all_reduce: the
+#: stored tuning.cc says LL128 up to 70640910 B, which is RCCL before ROCm/rocm-systems#9406 (LL128 at 32
+#: and 64 MiB in its "before" table); the fix's own table shows RCCL on LL128 at 32 MiB and on Simple at
+#: 64 MiB, so the fix lowered the bound into [32, 64) MiB. Its new constant is in no stored copy; the
+#: model uses 32 MiB, the largest size #9406 shows on LL128 (a bound set after reading that held-out
+#: file's protocol column, not its figures: docs/clocked.md).
+NET_PROTOCOL_RANGES: dict[str, dict[Collective, ProtocolRanges]] = {
+    "gfx942": {
+        Collective.REDUCE_SCATTER: ProtocolRanges(655360, 131072, 3211264),
+        Collective.ALL_GATHER: ProtocolRanges(98304, 98304, 5046272),
+        Collective.ALL_REDUCE: ProtocolRanges(524288, 524288, 4415057),
+        Collective.REDUCE: ProtocolRanges(4096, 4096, 16777216),
+        Collective.BROADCAST: ProtocolRanges(8192, 8192, 33554432),
+    },
+    "gfx950": {
+        Collective.REDUCE_SCATTER: ProtocolRanges(65536, 65536, 8388608),
+        Collective.ALL_GATHER: ProtocolRanges(65536, 65536, 8388608),
+        Collective.ALL_REDUCE: ProtocolRanges(262144, 262144, 32 * 2**20),
+        Collective.REDUCE: ProtocolRanges(16383, 16383, 16777216),
+        Collective.BROADCAST: ProtocolRanges(2048, 2048, 16777216),
+    },
+}
+
+#: An all_reduce across more than two nodes keeps LL128 up to this many times ``ll128_max``
+#: (rccl_wrap.cc: ``if(comm->nNodes > 2) ll128Max *= 3.8``).
+LL128_MAX_SCALE_PAST_TWO_NODES = 3.8
+
+#: RCCL turns ``ll128Enabled`` on for gfx942 and gfx950 nodes through the Rome model its topology matches
+#: (src/graph/rome_models.cc at 0eb07b2, by structure, not bus ids): the 8-GPU, 7-link, 8-NIC layouts
+#: (one NIC per GPU or per pair of GPUs on their PCIe switch, rome_model_81 and rome_model_89:
+#: ``noCpuCheck=1,tuning=5,ll128Enabled=1,disableNumaMatching=1``; on gfx950 ``rcclApplyTuningOverrides``
+#: then sets tuning 6). The 4-NIC layouts differ (rome_model_87 has it,
+#: rome_model_88 not), the 16-NIC one (rome_model_84) has not; ``RCCL_LL128_FORCE_ENABLE=1`` turns it on
+#: anywhere (init.cc). The model takes the bundled profiles' layout, 8 GPUs a node with one NIC each.
+LL128_NET_NICS_PER_NODE = frozenset({8})
+LL128_NET_GPUS_PER_NODE = 8
+
+#: How the model prices LL128 where RCCL's tables give it no figure of its own: RCCL's gfx942 and gfx950
+#: tuning models (tuning_model_5, tuning_model_6) give LL128 the same per-hop latencies (hwLat) and
+#: bandwidth ratios (bwRatio) as LL, so the model prices LL128 there as LL. No published AMD figure of
+#: LL128 is outside the held-out set; NCCL's 120/128 of Simple's bandwidth would be 73 % fast on #9406's
+#: 32 MiB row, LL's pricing is 24 % slow (docs/clocked.md).
+LL128_PRICED_AS_LL_GFX = frozenset({"gfx942", "gfx950"})
 
 
 @dataclass(frozen=True)
@@ -205,8 +271,32 @@ def _rail_ring_gbps(profile: Profile, ppn: int) -> float:
     return min(rails, _xgmi_gbps(profile, ppn - 1) * ppn / (ppn - 1))
 
 
-def _protocols(profile: Profile) -> list[Protocol]:
+def _net_protocol(op: Collective, nbytes: int, ranks: int, nodes: int, ppn: int, profile: Profile) -> Protocol | None:
+    """The protocol RCCL's size ranges set across nodes, or None where the cost decides (see NET_PROTOCOL_RANGES)."""
+    ranges = NET_PROTOCOL_RANGES.get(profile.gfx, {}).get(op)
+    if nodes < 2 or ranges is None:
+        return None
+    per_rank = nbytes if op is Collective.ALL_REDUCE else nbytes // ranks
+    proto = Protocol.LL if 0 < per_rank <= ranges.ll_max else Protocol.SIMPLE
+    if ppn == LL128_NET_GPUS_PER_NODE and profile.nics_per_node in LL128_NET_NICS_PER_NODE:
+        past_two = op is Collective.ALL_REDUCE and nodes > 2
+        ll128_max = ranges.ll128_max * (LL128_MAX_SCALE_PAST_TWO_NODES if past_two else 1)
+        if ranges.ll128_min < per_rank <= ll128_max:
+            proto = Protocol.LL128
+    return proto
+
+
+def _protocols(op: Collective, nbytes: int, ranks: int, nodes: int, ppn: int, profile: Profile) -> list[Protocol]:
+    """The protocols the model prices: RCCL's choice where its size ranges make it, else all it enables."""
+    forced = _net_protocol(op, nbytes, ranks, nodes, ppn, profile)
+    if forced is not None:
+        return [forced]
     return [p for p in Protocol if p is not Protocol.LL128 or profile.gfx in LL128_GFX]
+
+
+def _priced_as(profile: Profile, proto: Protocol) -> Protocol:
+    """The protocol whose constants price ``proto`` on ``profile`` (LL128 as LL on gfx942/gfx950)."""
+    return Protocol.LL if proto is Protocol.LL128 and profile.gfx in LL128_PRICED_AS_LL_GFX else proto
 
 
 def _net_step_us(profile: Profile, algo: Algorithm, proto: Protocol) -> float:
@@ -224,16 +314,17 @@ def _estimate(
     profile: Profile,
 ) -> CollectiveEstimate | None:
     """One (algorithm, protocol) pair's cost, or None where RCCL does not offer it."""
+    price = _priced_as(profile, proto)
     intra = _xgmi_gbps(profile, ppn - 1) if ppn > 1 else math.inf  # one rank per node: no xGMI leg
-    bus = (intra if nodes == 1 else _rail_ring_gbps(profile, ppn)) * PROTOCOL_BW_FRACTION[proto]
-    lat_us = BASE_LATENCY_US[proto]
-    hop = XGMI_HOP_US[(algo, proto)]
+    bus = (intra if nodes == 1 else _rail_ring_gbps(profile, ppn)) * PROTOCOL_BW_FRACTION[price]
+    lat_us = BASE_LATENCY_US[price]
+    hop = XGMI_HOP_US[(algo, price)]
     if algo is Algorithm.TREE:
         # RCCL skips Tree/Simple inside one gfx94 node (tuning.cc); no gfx950 table says otherwise.
         if op is not Collective.ALL_REDUCE or (nodes == 1 and proto is Protocol.SIMPLE):
             return None
-        bus *= TREE_BW_RATIO[proto][0 if nodes <= 2 else 1]
-        lat_us += 2 * ((ppn - 1) * hop + math.ceil(math.log2(nodes)) * _net_step_us(profile, algo, proto))
+        bus *= TREE_BW_RATIO[price][0 if nodes <= 2 else 1]
+        lat_us += 2 * ((ppn - 1) * hop + math.ceil(math.log2(nodes)) * _net_step_us(profile, algo, price))
         # Tree all-reduce moves every byte up and down: algbw = bus / 2 (tuning.cc's 0.5 ratio);
         # expressed in rccl-tests' convention the bus bandwidth is algbw x 2(n-1)/n.
         bus = bus / 2 * bus_factor(op, ranks)
@@ -257,7 +348,7 @@ def _estimate(
         if nodes > 1:
             # A ring that leaves the node pays the host proxy on every step (tuning.cc).
             hop = max(hop, NET_OVERHEAD_US * (3 if proto is Protocol.SIMPLE else 1))
-        lat_us += (steps - inter_steps) * hop + inter_steps * _net_step_us(profile, algo, proto)
+        lat_us += (steps - inter_steps) * hop + inter_steps * _net_step_us(profile, algo, price)
         if (
             nodes > 1
             and op is Collective.ALL_REDUCE
@@ -273,7 +364,11 @@ def _estimate(
 def candidates(
     op: Collective | str, nbytes: int, ranks: int, profile: Profile, ranks_per_node: int | None = None
 ) -> list[CollectiveEstimate]:
-    """Every (algorithm, protocol) pair RCCL would consider for this collective, each with its cost."""
+    """Every (algorithm, protocol) pair RCCL would consider for this collective, each with its cost.
+
+    Across nodes on gfx942 and gfx950 RCCL's size ranges fix the protocol (``NET_PROTOCOL_RANGES``): then
+    only that protocol's pairs are listed, one per algorithm.
+    """
     op = Collective(op)
     if ranks < 1 or nbytes < 0:
         raise ValueError(f"need ranks >= 1 and nbytes >= 0, got ranks={ranks} nbytes={nbytes}")
@@ -281,7 +376,7 @@ def candidates(
     nodes = math.ceil(ranks / ppn)
     out = []
     for algo in Algorithm:
-        for proto in _protocols(profile):
+        for proto in _protocols(op, nbytes, ranks, nodes, ppn, profile):
             est = _estimate(op, nbytes, ranks, nodes, ppn, algo, proto, profile)
             if est is not None:
                 out.append(est)
@@ -295,7 +390,8 @@ def estimate(
 
     ``ranks_per_node`` (default: all on one node) splits the ranks into emulated nodes
     joined by the profile's NIC. The algorithm and protocol are the fastest of
-    :func:`candidates`, as RCCL's tuner picks them. A single rank costs nothing.
+    :func:`candidates`, as RCCL's tuner picks them; across nodes on gfx942 and gfx950 the protocol is
+    the one RCCL's size ranges set, and the algorithm the fastest with it. A single rank costs nothing.
     """
     op = Collective(op)
     if ranks == 1:
