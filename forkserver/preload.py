@@ -128,8 +128,9 @@ def _preload_shim() -> None:
     """Import every module of the shim (not activate it): a rank's activation then only installs, which
     halves its CPU, and the modules' memory is shared. Many of them name the emulated device at import,
     which needs PrivateUse1 renamed first; the rename is the same in every rank of the session, and a
-    process that never activates the shim (torchrun's agent) never uses the device. Each rank rebuilds
-    the shim's runtime from its own settings (forkserver.program)."""
+    process that never activates the shim (torchrun's agent) never uses the device. The autocast kernels
+    are registered here too: only the device's tensors reach them. Each rank rebuilds the shim's runtime
+    from its own settings (forkserver.program)."""
     try:
         import torch
 
@@ -140,5 +141,10 @@ def _preload_shim() -> None:
         for info in pkgutil.walk_packages(shim.__path__, "shim."):
             if not info.name.startswith("shim.boot"):  # sitecustomize: what a session's process runs first
                 importlib.import_module(info.name)
+        from shim.device import autocast
+
+        # kernels of a dispatch key only the emulated tensors reach, the same in every rank: registered in
+        # each, they were a third of a forked rank's private memory (docs/scaling.md)
+        autocast.register_kernels()
     except Exception as e:  # noqa: BLE001 - each rank imports what is missing itself, and fails as it would
         print(f"forkserver: the shim is not preloaded: {type(e).__name__}: {e}", file=sys.stderr)

@@ -189,6 +189,21 @@ def _mirror(setter):
 
 def install() -> None:
     """Register the autocast kernels for the backend and tie its autocast state to cuda's."""
+    register_kernels()
+    torch.set_autocast_enabled = _mirror(torch.set_autocast_enabled)
+    torch.set_autocast_dtype = _mirror(torch.set_autocast_dtype)
+
+
+def register_kernels() -> None:
+    """Register the autocast kernels for the backend (once per process).
+
+    The fork server registers them before it forks (forkserver/preload.py): only the emulated tensors
+    reach AutocastPrivateUse1, so a process that never activates the shim never runs them, and a rank
+    that registered its own would write its private copy of ~20 MiB of the dispatcher's pages (and
+    spend ~40 ms of CPU) for what every rank registers alike.
+    """
+    if _libs:
+        return
     fallthrough = torch.library.Library("_", "IMPL")
     fallthrough.fallback(torch.library.fallthrough_kernel, _KEY)
     lib = torch.library.Library("aten", "IMPL")
@@ -201,5 +216,3 @@ def install() -> None:
         lib.impl(name, _append_dtype(_overload(to_overload), to_args), _KEY)
     for name in BANNED:
         lib.impl(name, _banned(name), _KEY)
-    torch.set_autocast_enabled = _mirror(torch.set_autocast_enabled)
-    torch.set_autocast_dtype = _mirror(torch.set_autocast_dtype)
