@@ -1,9 +1,22 @@
 """``python -m emulator``: start the daemon for one session (the session does this)."""
 
 import argparse
+import resource
 import sys
 
 from emulator.daemon import run
+
+
+def _open_files_to_hard_limit() -> None:
+    """Raise the soft limit on open files to the hard one: the daemon holds about three descriptors per rank
+    (its socket, a pidfd, the shared buffers), ~800 at 256 ranks, and many systems' soft limit is 1024."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 1 << 20 if hard == resource.RLIM_INFINITY else hard  # the kernel's default nr_open
+    if soft != resource.RLIM_INFINITY and want > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError):  # a lower nr_open: the soft limit stays, as before
+            pass
 
 
 def main() -> int:
@@ -24,6 +37,7 @@ def main() -> int:
                    help="a host's daemon in a multi-host run: take the other hosts' daemons' links on this address "
                         "(CURVE), for communicators across hosts")
     a = p.parse_args()
+    _open_files_to_hard_limit()
     with open(a.token_file) as f:
         token = f.read().strip()
     return run(a.run_dir, a.session, token, a.profile, a.nodes, a.gpus_per_node, a.hang_timeout, a.exec_mode,

@@ -837,3 +837,19 @@ def test_ranks_found_gone_together_put_the_one_a_launcher_terminated_last():
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+def test_the_daemon_raises_its_open_files_limit_to_the_hard_one():
+    """About three descriptors a rank: a soft limit of 1024, common, would stop a daemon short of 350 ranks."""
+    import resource
+    import subprocess
+    import sys
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard <= 256:
+        pytest.skip(f"the hard limit on open files here is {hard}")
+    code = ("import resource; from emulator.__main__ import _open_files_to_hard_limit; "
+            "_open_files_to_hard_limit(); print(resource.getrlimit(resource.RLIMIT_NOFILE)[0])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60,
+                         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard)))
+    assert int(out.stdout) > 256
