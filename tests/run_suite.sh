@@ -9,6 +9,7 @@ source tests/setup_venv.sh
 # a hang timeout, a peer), which the other worker fills. MIRAGE_TEST_WORKERS=0 runs in one process.
 # A short --basetemp: run directories live under tmp_path, and the daemon's socket paths must
 # stay under 108 bytes (xdist's per-worker folders would push them over).
+# --durations: the slowest tests, in every CI log, for keeping the default suite near ten minutes.
 base=$(mktemp -d /tmp/mt.XXXXXX)
 trap 'rm -rf "$base"' EXIT
 # With no arguments: the default suite. The framework workloads, the Slurm cluster and the compiled
@@ -18,7 +19,7 @@ if [[ $# -eq 0 ]]; then
     set -- -m "not frameworks and not multihost and not compile"
 fi
 status=0
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider -n "${MIRAGE_TEST_WORKERS:-2}" --basetemp "$base/t" "$@" ||
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 -n "${MIRAGE_TEST_WORKERS:-2}" --basetemp "$base/t" "$@" ||
     status=$?
 if [[ $status -eq 5 ]]; then
     # pytest's "no tests collected" must not pass as a green run.
