@@ -11,18 +11,26 @@ that finishes it:
   (its rank's input);
 - a **spreading** kind (all-reduce, all-gather, broadcast): the owner then sends
   the finished piece to every other host, since every rank needs it; a
-  reduce-scatter's piece is needed only by its rank, on its owner.
+  reduce-scatter's piece is needed only by its rank, on its owner;
+- a **chaining** kind (broadcast) spreads its piece along a chain of hosts
+  instead, as RCCL's ring broadcast does: the owner sends each chunk only to
+  the next host, which forwards it to the one after as it arrives, so every
+  host's link carries the buffer at most once, not the owner's H − 1 times.
 
 Each kind below is that choice and its buffers, in a few lines:
 
-========================  ======================  ===============================  =====================
+========================  ======================  ===============================  =======================
 kind                      units                   a piece's owner                  reduces / spreads
-========================  ======================  ===============================  =====================
+========================  ======================  ===============================  =======================
 all-reduce                ``numel``               host ``j`` owns segment ``j``    yes / yes
 reduce-scatter            ``numel`` (the input)   the host of the rank it goes to  yes / no
 all-gather                ``numel × world``       the host of the rank it is from  no / yes
-broadcast                 ``numel``               the root's host                  no / yes
-========================  ======================  ===============================  =====================
+broadcast                 ``numel``               the root's host                  no / yes, along a chain
+========================  ======================  ===============================  =======================
+
+A broadcast's chain is the hosts in the layout's order (each one's first rank)
+rotated to start at the root's host: with the root on host 2 of 4, 2 → 3 → 0
+→ 1. With two hosts that is the root's host sending to the other, as before.
 
 An average (``ReduceOp.AVG``) is summed on every host and divided once, by the
 communicator's size, where the owner reduces the last partial, in the tensor's
@@ -115,6 +123,11 @@ class Kind:
         """A copying kind's bytes for units [a, b) on their owner."""
         raise NotImplementedError
 
+    def chain(self, layout: Layout, req: s.Collective) -> list[int] | None:
+        """A chaining kind's hosts, its one owner first, in the order its result passes along them; None where
+        each owner sends its pieces to every other host itself."""
+        return None
+
     def deliver(self, share: Share) -> None:
         """The result into every other member's output on this host."""
         first = share.outputs[0]
@@ -185,6 +198,11 @@ class Broadcast(Kind):
 
     def source(self, share, layout, a, b):
         return share.inputs[layout.mine.index(share.req.root)][a:b]
+
+    def chain(self, layout, req):
+        """The layout's hosts from the root's on, wrapping round: each receives from the one before it."""
+        first, hosts = layout.host_of[req.root], len(layout.hosts)
+        return [(first + k) % hosts for k in range(hosts)]
 
 
 #: What goes host daemon to host daemon, by op; anything else across hosts stays with the head's daemon.

@@ -13,7 +13,10 @@ chunk:
    that partial to the owner (``PARTIAL``), which, once it has every other
    host's, reduces them with its own;
 3. a spreading kind's owner sends the finished chunk to every other host
-   (``RESULT``), which opens it straight into its result buffer.
+   (``RESULT``), which opens it straight into its result buffer; a chaining
+   kind's (a broadcast's) owner sends it only to the next host of its chain
+   (the hosts from the root's on), and each host forwards the bytes it opened
+   to the next as each chunk arrives, the last to none.
 
 For an all-reduce that is a reduce-scatter then an all-gather: each host sends
 and receives (H − 1)/H of the buffer in each, the bandwidth term of RCCL's ring
@@ -24,7 +27,11 @@ first. Chunks pipeline: a host sends its first partials while it reduces later
 chunks, and an owner finishes and sends each chunk as its last partial
 arrives. The owner reduces the partials in host order, so a run reduces in
 the same order every time (with one rank per host, the head's order), and
-every rank of every host receives the same bytes.
+every rank of every host receives the same bytes. A broadcast pipelines along
+its chain as RCCL's ring broadcast does: the root's host sends the buffer once
+rather than to each of the H − 1 others, and every other host receives it once
+and (but the last) sends it on once, each chunk as it arrives, so the hosts
+pass on the first chunks while later ones are still on their way.
 """
 
 from __future__ import annotations
@@ -85,8 +92,20 @@ class Exchange:
                           if k < len(starts[j]))
         self.done_here: set[int] = set()  # own chunks whose ranks' part is in place
         self.partials: dict[int, dict[int, np.ndarray]] = {}  # own chunk -> host -> its partial
+        # a spreading kind's results: from which host come whose pieces' chunks (``sender -> owner``), to which
+        # hosts an own chunk goes once finished, and to which a chunk received goes on
+        chain = kind.chain(layout, req)
+        if chain is None:  # every owner sends to every other host
+            self.source, self.spread_to, self.relay_to = {j: j for j in self.others}, self.others, []
+        else:  # along the chain: from the host before this one, to the one after (none after the last)
+            pos = chain.index(me)
+            self.source = {chain[pos - 1]: chain[0]} if pos else {}
+            self.spread_to = self.relay_to = chain[pos + 1:pos + 2]
         # per host, chunks still to come from it (own: still to finish); a kind that does not spread sends none
-        self.awaiting = [set(c) if j == me or kind.spreads else set() for j, c in enumerate(self.chunks)]
+        self.awaiting = [set(c) if j == me else set() for j, c in enumerate(self.chunks)]
+        if kind.spreads:
+            for j, owner in self.source.items():
+                self.awaiting[j] = set(self.chunks[owner])
 
     @property
     def busy(self) -> bool:
@@ -126,7 +145,8 @@ class Exchange:
 
     def take(self, j: int, msg: p.PeerChunk, data: Sealed | None, send: Send) -> None:
         """A chunk from host ``j`` (its bytes in ``data``, opened here): a partial of a piece this host owns, or
-        a piece ``j`` finished (opened straight into the result). :class:`SealError` if they do not open."""
+        a piece ``j`` finished, or along a chain the host before this one forwarded (opened straight into the
+        result, and forwarded in turn). :class:`SealError` if they do not open."""
         req = self.req
         if (msg.op, msg.reduce_op, msg.dtype, msg.numel) != (req.op, req.reduce_op, req.dtype, req.numel):
             raise ExchangeError(
@@ -134,8 +154,8 @@ class Exchange:
                 f"{msg.numel} x {msg.dtype}, this host's ranks as {req.op.value} ({req.reduce_op.value}) of "
                 f"{req.numel} x {req.dtype}")
         partial = msg.phase is p.PeerPhase.PARTIAL
-        owner = self.me if partial else j
-        end = self.chunks[owner].get(msg.at)
+        owner = self.me if partial else self.source.get(j)  # None: j sends this host no result
+        end = None if owner is None else self.chunks[owner].get(msg.at)
         size = 0 if data is None else data.nbytes
         if (end is None or msg.count != end - msg.at or size != msg.count * self.itemsize
                 or not (self.kind.reduces if partial else self.kind.spreads)):
@@ -144,8 +164,11 @@ class Exchange:
         if not partial:
             if msg.at not in self.awaiting[j]:
                 raise ExchangeError(f"host {self.hosts[j]} sent elements {msg.at}.. of collective #{req.seq} twice")
-            data.open(self.kind.result(self.share, self.layout, msg.at, end).view(np.uint8))
+            out = self.kind.result(self.share, self.layout, msg.at, end)
+            data.open(out.view(np.uint8))
             self.awaiting[j].discard(msg.at)
+            for k in self.relay_to:  # a chain: the bytes just opened, on to the next host
+                send(k, self.header(p.PeerPhase.RESULT, msg.at, end), out)
             return
         got = self.partials.setdefault(msg.at, {})
         if j in got or msg.at not in self.awaiting[self.me]:
@@ -183,7 +206,7 @@ class Exchange:
 
     def _finish_own(self, a: int, send: Send) -> None:
         """Once an own chunk's part is in place and (reducing) every other host's partial came: reduce them, and
-        (spreading) send the result to every other host."""
+        (spreading) send the result on: to every other host, or to the next of a chain."""
         got = self.partials.get(a, {})
         if a not in self.done_here or (self.kind.reduces and len(got) < len(self.others)):
             return
@@ -201,5 +224,5 @@ class Exchange:
         self.partials.pop(a, None)
         self.awaiting[self.me].discard(a)
         if self.kind.spreads:
-            for j in self.others:
+            for j in self.spread_to:
                 send(j, self.header(p.PeerPhase.RESULT, a, b), out)

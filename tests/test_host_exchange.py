@@ -73,13 +73,16 @@ def _shares(op, red, dtype, numel, out_numel, root, inputs, host_of) -> list[Exc
     return exchanges
 
 
-def _run(exchanges: list[Exchange], seed: int) -> None:
-    """Pass chunks between the exchanges, in a shuffled order, until none is left."""
+def _run(exchanges: list[Exchange], seed: int) -> list[tuple[int, int, p.PeerChunk]]:
+    """Pass chunks between the exchanges, in a shuffled order, until none is left; what was sent, as (from host,
+    to host, chunk)."""
     rng = random.Random(seed)
     queue: list[tuple[int, p.PeerChunk, Frame]] = []
+    sent: list[tuple[int, int, p.PeerChunk]] = []
 
     def sender(src: int):
         def send(j: int, msg: p.PeerChunk, data: np.ndarray):
+            sent.append((src, j, msg))
             queue.append((j, p.PeerChunk(**{**msg.__dict__, "host": f"h{src}"}), Frame(data)))
         return send
 
@@ -94,6 +97,7 @@ def _run(exchanges: list[Exchange], seed: int) -> None:
     for ex in exchanges:
         assert ex.finished
         ex.deliver()
+    return sent
 
 
 def _values(rng, dtype: str, shape, integral: bool) -> np.ndarray:
@@ -108,15 +112,17 @@ def _values(rng, dtype: str, shape, integral: bool) -> np.ndarray:
 
 
 def _check(op, red, dtype, numel, out_numel, root, host_of, integral=True, seed=0):
+    """Run the collective across hosts; every rank's output must equal the head's. Returns what was sent."""
     rng = np.random.default_rng(seed)
     world = len(host_of)
     inputs = list(_values(rng, dtype, (world, numel), integral))
     want = _head(op, red, dtype, numel, out_numel, root, inputs)
     exchanges = _shares(op, red, dtype, numel, out_numel, root, inputs, host_of)
-    _run(exchanges, seed=numel + world)
+    sent = _run(exchanges, seed=numel + world)
     for ex in exchanges:
         for r, out in zip(ex.layout.mine, ex.share.outputs):
             assert out.tobytes() == want[r].tobytes(), f"rank {r} on host {ex.me}"
+    return sent
 
 
 #: where the ranks run: two hosts in blocks, interleaved, three hosts unevenly, four with one rank each
@@ -154,12 +160,29 @@ def test_an_all_gather_equals_the_head_s(host_of, dtype, numel):
     _check(CollOp.ALLGATHER, ReduceOp.SUM, dtype, numel, numel * len(host_of), 0, host_of, integral=False)
 
 
-@pytest.mark.parametrize("host_of", LAYOUTS)
+@pytest.mark.parametrize("host_of", LAYOUTS + [(0, 1, 2, 3, 2, 1, 0), (0, 1, 2, 3, 4)])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("numel", [1, 1001])
 def test_a_broadcast_equals_the_head_s_from_every_root(host_of, dtype, numel):
     for root in range(len(host_of)):
         _check(CollOp.BROADCAST, ReduceOp.SUM, dtype, numel, numel, root, host_of, integral=False, seed=root)
+
+
+@pytest.mark.parametrize("hosts", [2, 3, 4, 5])
+def test_a_broadcast_passes_each_chunk_along_the_chain_from_the_root_s_host_once(hosts):
+    """As RCCL's ring: the root's host sends each chunk to the next host only, each host after it forwards
+    it to the next, the last to none; so the root's host sends the buffer once, not H - 1 times."""
+    host_of = tuple(range(hosts)) + (hosts - 1, 0)  # two hosts with two ranks, the root's among them
+    numel = 1001  # 63 chunks of 16 float32 (CHUNK_BYTES 64), the last of 9
+    for root in range(len(host_of)):
+        sent = _check(CollOp.BROADCAST, ReduceOp.SUM, "float32", numel, numel, root, host_of, seed=root)
+        chain = [(host_of[root] + k) % hosts for k in range(hosts)]  # the layout's order from the root's host
+        for pos, h in enumerate(chain):
+            mine = [(j, msg) for i, j, msg in sent if i == h]
+            assert {j for j, _ in mine} == set(chain[pos + 1:pos + 2]), f"host {h}, root {root}"
+            assert sorted(msg.at for _, msg in mine) == ([] if pos == hosts - 1 else list(range(0, numel, 16)))
+            assert sum(msg.count for _, msg in mine) == (0 if pos == hosts - 1 else numel)
+            assert all(msg.phase is p.PeerPhase.RESULT for _, msg in mine)
 
 
 @pytest.mark.parametrize("op", [CollOp.ALLREDUCE, CollOp.REDUCE_SCATTER])
@@ -216,6 +239,42 @@ def test_it_waits_on_the_hosts_whose_chunks_are_missing():
     assert exchanges[0].waiting_on() == {1, 2}
     exchanges[0].advance(lambda *a: None)
     assert exchanges[0].waiting_on() == {1, 2} and not exchanges[0].finished
-    # a broadcast from host 0 waits on nobody there, and on host 0 everywhere else
+    # a broadcast from host 0 waits on nobody there, and on the host before it in the chain 0 -> 1 -> 2 elsewhere
     bcast = _shares(CollOp.BROADCAST, ReduceOp.SUM, "float32", 30, 30, 0, x, (0, 1, 2))
-    assert bcast[0].waiting_on() == set() and bcast[1].waiting_on() == {0} == bcast[2].waiting_on()
+    assert bcast[0].waiting_on() == set() and bcast[1].waiting_on() == {0} and bcast[2].waiting_on() == {1}
+
+
+def _broadcast_from_host_1_of_4() -> list[Exchange]:
+    """A broadcast of 32 float32 (two chunks) from rank 1, on host 1 of 4: the chain is 1 -> 2 -> 3 -> 0."""
+    x = [np.arange(32, dtype=np.float32)] * 4
+    return _shares(CollOp.BROADCAST, ReduceOp.SUM, "float32", 32, 32, 1, x, (0, 1, 2, 3))
+
+
+def _result(at: int) -> p.PeerChunk:
+    return p.PeerChunk(comm="c", seq=3, phase=p.PeerPhase.RESULT, op=CollOp.BROADCAST, numel=32, at=at, count=16)
+
+
+def test_a_broadcast_waits_on_the_host_before_it_in_the_chain():
+    """The chain starts at the root's host and wraps round: a hang names the host that did not forward."""
+    bcast = _broadcast_from_host_1_of_4()
+    assert [ex.waiting_on() for ex in bcast] == [{3}, set(), {1}, {2}]
+    bcast[1].advance(lambda *a: None)
+    assert bcast[1].finished and bcast[1].waiting_on() == set()
+    forwarded = []
+    for at in (0, 16):
+        bcast[2].take(1, _result(at), Frame(np.zeros(16, np.float32)), lambda *a: forwarded.append(a[:2]))
+        assert bcast[2].finished == (at == 16)
+    assert bcast[2].waiting_on() == set() and [(j, msg.at) for j, msg in forwarded] == [(3, 0), (3, 16)]
+
+
+def test_a_broadcast_chunk_from_a_host_but_the_one_before_or_twice_is_refused():
+    bcast = _broadcast_from_host_1_of_4()
+    nothing = lambda *a: pytest.fail("a refused chunk was forwarded")  # noqa: E731
+    # the root's host sends to host 2 only: host 3 takes its chunks from host 2, host 0 from host 3
+    for ex, j in [(bcast[3], 1), (bcast[3], 0), (bcast[0], 1), (bcast[0], 2), (bcast[1], 0)]:
+        with pytest.raises(ExchangeError, match="not a chunk of its plan"):
+            ex.take(j, _result(0), Frame(np.zeros(16, np.float32)), nothing)
+    bcast[3].take(2, _result(0), Frame(np.zeros(16, np.float32)), lambda *a: None)
+    with pytest.raises(ExchangeError, match="twice"):
+        bcast[3].take(2, _result(0), Frame(np.zeros(16, np.float32)), nothing)
+    assert bcast[3].waiting_on() == {2} and not bcast[3].finished
