@@ -92,7 +92,10 @@ want = xa.cpu().tanh() * torch.rsqrt(xa.cpu() ** 2 + 1e-6)
 assert torch.allclose(ya.cpu(), want, atol=1e-6)
 assert torch.allclose(acc.cpu(), want.sum().reshape(1), atol=1e-3), (acc, want.sum())  # reset between configs
 assert set(norm_act_kernel.configs_timings) == set(norm_act_kernel.configs)
-assert norm_act_kernel.best_config.kwargs["BLOCK"] == 128, norm_act_kernel.best_config  # fewer programs: faster
+# the config its host timings found fastest (which one that is depends on the machine's load at that moment:
+# 8 programs of BLOCK 128 usually beat 32 of BLOCK 32, but a test must not bet on a timing)
+timings = norm_act_kernel.configs_timings
+assert norm_act_kernel.best_config == min(timings, key=timings.get), timings
 print("autotune ok", norm_act_kernel.best_config.kwargs)
 
 # the driver answers as the profile's GPU
