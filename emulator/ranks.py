@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from wire.procfs import alive, cause_first
+from wire.procfs import alive, ended
 
 
 class RankProcesses:
@@ -79,10 +79,7 @@ class RankProcesses:
         Several found at once: a rank its launcher terminated comes after one that died otherwise (killed,
         crashed, exited), which was likelier the cause; rank order among equals.
         """
-        found = [(rank, pid) for rank, pid in self.pids.items() if self._local_rank(rank) and not alive(pid)]
-        if len(found) > 1:
-            found.sort(key=lambda rank_pid: cause_first(rank_pid[1]))
-        return found
+        return ended((rank, pid) for rank, pid in self.pids.items() if self._local_rank(rank))
 
     def is_pidfd(self, fd: int) -> bool:
         """Whether ``fd`` (ready in the poller) is a watched rank's pidfd: that rank's process has ended."""

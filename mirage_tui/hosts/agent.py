@@ -39,7 +39,7 @@ from mirage_tui.reports import diagnosis
 from wire import kineto_trace
 from wire import schema as s
 from wire.endpoints import endpoints
-from wire.procfs import alive, cause_first
+from wire.procfs import ended
 
 #: Every process the agent starts carries it: its sweep at the end finds them by it.
 HOST_TAG = ap.HOST_TAG
@@ -246,8 +246,7 @@ class Agent:
                 self.reported.add(i)
                 self.send_output(final=False)  # its last lines before its end
                 self.send(ap.Exited(index=i, pid=proc.pid, returncode=proc.returncode))
-        ended = [(rank, pid) for rank, pid in self.watched.items() if not alive(pid)]
-        for rank, pid in sorted(ended, key=lambda rank_pid: cause_first(rank_pid[1])):
+        for rank, pid in ended(list(self.watched.items())):
             del self.watched[rank]
             self.send(ap.RankGone(rank=rank, pid=pid))
         if self.procs and not self.finished and len(self.reported) == len(self.procs):
