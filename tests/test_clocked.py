@@ -9,7 +9,10 @@ import re
 import pytest
 from test_run import FIXTURES, events, mirage_run, run_dir
 
-from shim.clock.clock import _uncovered, _union
+import torch
+
+from shim.clock.clock import Clock, _uncovered, _union
+from wire.profiles import load_profile
 
 
 def test_exposed_communication_is_what_compute_does_not_cover():
@@ -20,6 +23,35 @@ def test_exposed_communication_is_what_compute_does_not_cover():
     assert _uncovered(comm, compute) == pytest.approx(2.0)
     assert _uncovered([], compute) == 0.0
     assert _uncovered(comm, []) == pytest.approx(3.0)
+
+
+def _on_gpu(n: int) -> torch.Tensor:
+    """A stand-in for an emulated tensor of GPU 0 as the clock reads one: ``_gpu`` and its data, ``_elem``."""
+    t = torch.empty(0)
+    t._gpu, t._elem = 0, torch.ones(n)
+    return t
+
+
+def test_a_kernel_reading_a_collective_s_output_starts_when_the_collective_ends():
+    """On any stream, and whichever way the op was priced; a kernel on other data does not wait."""
+    aten = torch.ops.aten
+    clock = Clock(load_profile("mi300x"))
+    written, other, out = _on_gpu(4096), _on_gpu(4096), _on_gpu(4096)
+    clock.collective_done(0, "comm", "nccl:all_reduce", 0.0, 1.0, {}, [written])
+    clock.charge(aten.mul.Tensor, (other, 2.0), {}, out)
+    assert clock.events[-1][4] == 0.0  # (kind, name, gpu, stream, start, ...)
+    clock.charge(aten.mul.Tensor, (written, 2.0), {}, out)
+    assert clock.events[-1][4] == 1.0
+    clock.stream_of = lambda gpu: 7  # a stream still at 0, past which the collective ends
+    clock.charge(aten._foreach_mul_.Scalar, ([other, written], 2.0), {}, None)
+    assert clock.events[-1][3:5] == (7, 1.0)
+    clock.stream_of = lambda gpu: 8
+    clock.charge_priced(0, aten.add.Tensor, clock.costs.cost(aten.add.Tensor, (written, other), {}, out),
+                        (other, written))
+    assert clock.events[-1][3:5] == (8, 1.0)
+    clock.stream_of = lambda gpu: 9
+    clock.charge(aten.mul.Tensor, (other, 2.0), {}, out)
+    assert clock.events[-1][3:5] == (9, 0.0)
 
 
 @pytest.mark.usefixtures("no_orphans")

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
+from fractions import Fraction
 
 import pytest
 import torch
 
+from shim.clock import op_costs
 from shim.clock.op_costs import OpCosts, signature
+from shim.native import build as native_build
 from shim.clock.roofline import op_cost
 from test_run import FIXTURES, events, mirage_run, run_dir
 from wire.profiles import load_profile
@@ -16,11 +20,26 @@ aten = torch.ops.aten
 MI300X = load_profile("mi300x")
 
 
+def _native_signature():
+    """The C++ signature (shim/native/fast_dispatch.cpp), loaded as shim/tensor/fast_dispatch.py loads it."""
+    lib = native_build.load(native_build.FAST_DISPATCH_SOURCE, "the fast dispatch kernels", ctypes.PyDLL)
+    lib.mirage_op_signature.restype = ctypes.py_object
+    return lib.mirage_op_signature()
+
+
+@pytest.fixture(params=["python", "c++"])
+def keyed(request, monkeypatch):
+    """Signatures (and OpCosts' table) built in Python, then in C++, as a rank without and with the fast
+    dispatch builds them."""
+    monkeypatch.setattr(op_costs, "_native_signature", None if request.param == "python" else _native_signature())
+    return request.param
+
+
 def meta(*shape, dtype=torch.float32):
     return torch.empty(*shape, dtype=dtype, device="meta")
 
 
-def test_a_repeated_call_is_priced_once_as_op_cost_prices_it():
+def test_a_repeated_call_is_priced_once_as_op_cost_prices_it(keyed):
     costs = OpCosts(MI300X)
     a, b = meta(64, 128), meta(128, 32)
     out = torch.mm(a, b)
@@ -32,7 +51,7 @@ def test_a_repeated_call_is_priced_once_as_op_cost_prices_it():
     assert (costs.hits, costs.misses) == (1, 1)
 
 
-def test_a_changed_signature_gets_a_new_cost():
+def test_a_changed_signature_gets_a_new_cost(keyed):
     """Each call that differs from the first in one thing op_cost may read gets its own entry, priced afresh
     (and where the difference changes the price, a different one)."""
     costs = OpCosts(MI300X)
@@ -68,14 +87,36 @@ def test_a_changed_signature_gets_a_new_cost():
     assert costs.hits == len(calls)
 
 
-def test_an_argument_a_signature_cannot_hold_is_priced_afresh_each_time():
+def test_an_op_priced_by_its_bytes_is_found_again_whatever_its_numbers(keyed):
+    """Adam's bias corrections change every step; the kernel's bytes do not: one entry. An op whose FLOP
+    formula may read its numbers keeps them apart."""
     costs = OpCosts(MI300X)
-    x = meta(16)
-    call = (aten.bernoulli.p, (x, 0.5), {"generator": torch.Generator()}, x)
+    xs = [meta(64), meta(8, 8)]
+    first = costs.cost(aten._foreach_div_.ScalarList, (xs, [0.9, 0.99]), {}, None)
+    again = costs.cost(aten._foreach_div_.ScalarList, (xs, [0.81, 0.9801]), {}, None)
+    assert again is first and first == op_cost(aten._foreach_div_.ScalarList, (xs, [0.5, 0.25]), {}, None, MI300X)
+    assert costs.cost(aten._foreach_div_.ScalarList, ([meta(65), meta(8, 8)], [0.9, 0.99]), {}, None) != first
+    # an int where a float stood is still another signature
+    assert signature(aten.mul.Scalar, (xs[0], 2), {}, xs[0]) != signature(aten.mul.Scalar, (xs[0], 2.0), {}, xs[0])
+    a, b, c = meta(64, 64), meta(64, 32), meta(32, 64)
+    assert (signature(aten.addmm.default, (a, b, c), {"alpha": 2.0}, a)
+            != signature(aten.addmm.default, (a, b, c), {"alpha": 3.0}, a))
+    assert (costs.hits, costs.misses) == (1, 2)
+
+
+def test_an_argument_a_signature_cannot_hold_is_priced_afresh_each_time(keyed):
+    """An object of the program's among the numbers of an op with a FLOP formula; an op priced by its bytes
+    holds any argument by its type (a generator: bernoulli's bytes do not depend on it)."""
+    costs = OpCosts(MI300X)
+    a, b, c = meta(64, 64), meta(64, 32), meta(32, 64)
+    call = (aten.addmm.default, (a, b, c), {"alpha": Fraction(1, 2)}, a)
     assert signature(*call) is None
     assert costs.cost(*call) == op_cost(*call, MI300X)
     costs.cost(*call)
     assert (costs.hits, costs.misses) == (0, 2)
+    x = meta(16)
+    bernoulli = (aten.bernoulli.p, (x, 0.5), {"generator": torch.Generator()}, x)
+    assert costs.cost(*bernoulli) is costs.cost(*bernoulli[:2], {"generator": torch.Generator()}, x)
 
 
 # The DDP demo with clocked mode's Python table of costs replaced by op_cost itself (UNCACHED=1).
@@ -90,6 +131,8 @@ if os.environ.get("UNCACHED") == "1":
     clock.costs.cost = lambda func, args, kwargs, out: op_cost(func, args, kwargs, out, clock.profile)
 runpy.run_path({fixture!r}, run_name="__main__")
 print("costs found again", clock.costs.hits, "priced", clock.costs.misses)
+from shim.clock import op_costs
+print("signatures in C++:", op_costs._native_signature is not None)
 """
 
 
@@ -109,6 +152,7 @@ def _clocked_ddp(tmp_path, uncached: bool) -> tuple[list, list, dict, str]:
                    f"UNCACHED={int(uncached)}", "--nproc-per-node", "2", "--", "python", str(program),
                    steps=6)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "[0] signatures in C++: True" in r.stdout.splitlines()  # (built by tests/setup_venv.sh)
     out = run_dir(tmp_path / "r")
     traces = [_same_host_pid(json.loads((out / "traces" / f"rank-{rank}.json").read_text())["traceEvents"])
               for rank in (0, 1)]

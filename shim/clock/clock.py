@@ -40,7 +40,7 @@ from types import MappingProxyType
 import torch
 
 from shim.clock.op_costs import OpCosts
-from shim.clock.roofline import OpCost, kernel_cost
+from shim.clock.roofline import OpCost, is_free, kernel_cost
 from shim.device.storages import storage_key
 from shim.rank.runtime import RUNTIME
 from wire.profiles import Profile
@@ -65,6 +65,32 @@ _NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
 # by id: OpOverload.__hash__ is a Python method, and charge() asks of every op
 _SCALAR_READS = frozenset(id(op) for op in (_aten._local_scalar_dense.default, _aten.equal.default,
                                               _aten.is_nonzero.default))
+
+
+def _first_gpu(args) -> int | None:
+    """The GPU of the first emulated tensor among ``args`` (or in a list or tuple of tensors among them)."""
+    for a in args:
+        # (a tensor first: getattr on an int would make and drop an AttributeError)
+        if isinstance(a, torch.Tensor):
+            g = getattr(a, "_gpu", None)
+            if g is not None:
+                return g
+        elif isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
+            for x in a:  # a _foreach_ op's tensors (Adam's update): one kernel over them all, as on a GPU
+                g = getattr(x, "_gpu", None)
+                if g is not None:
+                    return g
+    return None
+
+
+def _emulated(args):
+    """The emulated tensors among ``args`` and in their lists and tuples of tensors."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if hasattr(a, "_gpu"):
+                yield a
+        elif isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
+            yield from (x for x in a if hasattr(x, "_gpu"))
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -112,6 +138,7 @@ class Clock:
         self.streams: dict[tuple[int, int], float] = {}  # (gpu, stream id) -> when its last kernel ends
         self.host = 0.0  # when the host may issue its next kernel (it waits only where it synchronises)
         self.ready_at: dict[int, float] = {}  # storage address -> when the collective writing it ends
+        self.ready_max = 0.0  # the latest of ready_at's times
         self.comm_streams: dict[str, int] = {}  # communicator id -> the stream id its collectives run on
         # the thread's current stream id on a GPU; shim.cuda.api installs the real one
         self.stream_of = lambda gpu: 0
@@ -153,66 +180,54 @@ class Clock:
 
     def charge(self, func, args, kwargs, out) -> None:
         """Advance the current stream by the kernel ``func(*args, **kwargs) -> out`` (a dispatched aten op)."""
+        if is_free(func):  # a view (autograd's detach, ...): no kernel, nothing to price
+            return
         # torch's function modes off while it reads the tensors' metadata: the shim's CudaMode would run
         # Python for every stride(), storage and size asked for (most of what pricing an op cost)
         with _NO_TORCH_FUNCTION():
-            gpu = None
-            deps = 0.0
-            ready_at = self.ready_at
-            for a in args:
-                # (a tensor first: getattr on an int would make and drop an AttributeError)
-                if isinstance(a, torch.Tensor):
-                    tensors = (a,)
-                elif isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
-                    tensors = a  # a _foreach_ op's tensors (Adam's update): one kernel over them all, as on a GPU
-                else:
-                    continue
-                for x in tensors:
-                    g = getattr(x, "_gpu", None)
-                    if g is None:
-                        continue
-                    if gpu is None:
-                        gpu = g
-                    if ready_at:
-                        try:
-                            t = ready_at.get(storage_key(x._elem))
-                        except RuntimeError:  # a storage torch invalidated (DTensor's chunk-and-cat views): no collective wrote it
-                            continue
-                        if t is not None and t > deps:
-                            deps = t
+            gpu = _first_gpu(args)
             if gpu is None:
                 gpu = getattr(out, "_gpu", None) if isinstance(out, torch.Tensor) else None
                 if gpu is None:
                     return
+            stream = self.stream_of(gpu)
+            deps = self._written_at(_emulated(args), gpu, stream)
             if id(func) in _SCALAR_READS:  # .item() and friends: a few bytes to the host, which waits
                 self._copy(func, gpu, 8, deps, to_host=True)
                 return
             if isinstance(out, torch.Tensor) and not hasattr(out, "_gpu") and out.device.type == "cpu":
                 self._copy(func, gpu, out.numel() * out.element_size(), deps, to_host=True)
                 return
-            self._advance(gpu, func, self.costs.cost(func, args, kwargs, out), deps)
+            self._advance(gpu, stream, func, self.costs.cost(func, args, kwargs, out), deps)
 
     def charge_priced(self, gpu: int, func, cost: OpCost, inputs: tuple) -> None:
         """As :meth:`charge`, for an op on ``gpu`` already priced (the C++ fast dispatch's table of costs,
         shim/native/fast_dispatch.cpp): ``inputs`` are its emulated arguments, which a collective may
         still be writing."""
-        self._advance(gpu, func, cost, self._written_at(inputs) if self.ready_at else 0.0)
+        stream = self.stream_of(gpu)
+        self._advance(gpu, stream, func, cost, self._written_at(inputs, gpu, stream))
 
-    def _advance(self, gpu: int, func, cost: OpCost, deps: float) -> None:
-        """Run the kernel ``func`` priced ``cost`` on the current stream of ``gpu``, from ``deps`` at the earliest."""
+    def _advance(self, gpu: int, stream: int, func, cost: OpCost, deps: float) -> None:
+        """Run the kernel ``func`` priced ``cost`` on ``stream`` of ``gpu``, from ``deps`` at the earliest."""
         seconds = cost.seconds
         if not seconds:
             return
-        stream = self.stream_of(gpu)
+        name = self.names.get(id(func)) or self._name(func)
+        # (_record and _issued written out: this runs for every op clocked mode times)
         with self.lock:
             key = (gpu, stream)
-            start = max(self.streams.get(key, 0.0), self.host, deps)
+            host = self.host
+            start = max(self.streams.get(key, 0.0), host, deps)
             end = self.streams[key] = start + seconds
             self.compute.append((start, end))
             self.ops += 1
             if not cost.has_formula:
                 self.bytes_only_ops += 1
-            self._record(("compute", self._name(func), gpu, stream, start, end, cost.trace_args, self._issued(start)))
+            if len(self.events) < MAX_TRACE_EVENTS:
+                issued = min(start, max(host, self.step_start))
+                self.events.append(("compute", name, gpu, stream, start, end, cost.trace_args, issued))
+            else:
+                self.dropped += 1
 
     def fused(self, gpu: int, kernels: list) -> None:
         """A compiled graph's kernels, one after another on the current stream of ``gpu``.
@@ -245,10 +260,12 @@ class Clock:
         self._record(("compute", name, key[0], key[1], start, end, cost.trace_args, self._issued(start)))
         return end
 
-    def _written_at(self, tensors) -> float:
-        """When the last collective that wrote one of the emulated ``tensors`` ends (0: none did)."""
+    def _written_at(self, tensors, gpu: int | None = None, stream: int | None = None) -> float:
+        """When the last collective that wrote one of the emulated ``tensors`` ends (0: none did, or none
+        ends after the kernel could start anyway: after ``stream`` of ``gpu`` and the host, where given)."""
         deps = 0.0
-        if not self.ready_at:
+        floor = self.host if gpu is None else max(self.streams.get((gpu, stream), 0.0), self.host)
+        if self.ready_max <= floor:  # (most ops: looking up each tensor's storage costs more than the op's price)
             return deps
         with _NO_TORCH_FUNCTION():  # (the shim's CudaMode would run Python for each storage asked for)
             for t in tensors:
@@ -300,9 +317,11 @@ class Clock:
                 t = getattr(t, "_elem", t)  # an emulated tensor's data
                 if t is not None and t.numel():
                     self.ready_at[storage_key(t)] = end
+                    self.ready_max = max(self.ready_max, end)
             if len(self.ready_at) > 4096:  # outputs nobody read before every stream went past them
                 done = min(self.streams.values())
                 self.ready_at = {p: t for p, t in self.ready_at.items() if t > done}
+                self.ready_max = max(self.ready_at.values(), default=0.0)
         if self.rank is None:
             self.rank = _global_rank()
 

@@ -8,9 +8,19 @@ which arguments are one and the same tensor (``x + x`` reads ``x`` once, an
 in-place op writes its input); and every other argument's type and value. Two
 calls share a cost only when their signatures are equal as a whole, and then
 ``op_cost`` reads the same from both; a call with an argument of another kind
-(a generator, an object of the program's) is priced afresh every time. The C++
-fast dispatch keeps its own table the same way for the ops it runs
-(``shim/native/fast_dispatch.cpp``).
+(a generator, an object of the program's) is priced afresh every time.
+
+An op priced by the bytes it moves alone (no FLOP formula, not attention:
+``op_cost`` reads only its tensors) keeps its other arguments' types but not
+their values: Adam's ``_foreach_div_`` and ``_foreach_addcdiv_`` take this
+step's bias corrections, new numbers every step, and would otherwise be priced
+afresh every step.
+
+The signature is built in C++ once the fast dispatch library is loaded
+(``signature()`` in ``shim/native/fast_dispatch.cpp``: ~1.3 µs an op, against
+~5.6 µs here for the same keys); :func:`python_signature` serves where it is
+not. The fast dispatch keeps its own table, keyed the same way with the
+argument values, for the ops it runs in C++.
 
 Tensor metadata is read with torch's function modes off: the shim's
 ``CudaMode`` would otherwise run Python for every ``stride()`` and ``shape``.
@@ -20,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from shim.clock.roofline import OpCost, op_cost
+from shim.clock.roofline import OpCost, op_cost, values_matter
 from wire.profiles import Profile
 
 #: a program whose shapes never repeat starts the table afresh past this many signatures
@@ -47,8 +57,10 @@ class _Unsigned(Exception):
     """An argument a signature cannot hold: the call is priced afresh."""
 
 
-def _add(key: list, values, seen: dict[int, int]) -> None:
-    """Append each of ``values`` (arguments, lists or tuples of them, an op's results) to the signature ``key``."""
+def _add(key: list, values, seen: dict[int, int], by_value: bool) -> None:
+    """Append each of ``values`` (arguments, lists or tuples of them, an op's results) to the signature ``key``;
+    an argument other than a tensor, list or tuple by its type and value, or (``by_value`` false: an op priced
+    by its bytes, whose cost depends on no such value) by its type alone."""
     for value in values:
         if isinstance(value, torch.Tensor):
             first = seen.get(id(value))
@@ -61,25 +73,46 @@ def _add(key: list, values, seen: dict[int, int]) -> None:
                     value.stride() if layout is _STRIDED else None)
         elif isinstance(value, (list, tuple)):
             key += (_LIST if isinstance(value, list) else _TUPLE, len(value))
-            _add(key, value, seen)
+            _add(key, value, seen, by_value)
+        elif not by_value:
+            key.append(type(value))
         elif type(value) in _VALUE_TYPES:
             key += (type(value), value)
         else:
             raise _Unsigned
 
 
-def signature(func, args, kwargs, out) -> tuple | None:
+#: the same signature built in C++ (``signature(values, func, args, kwargs, out) -> bytes | None``,
+#: shim/native/fast_dispatch.cpp), once shim/tensor/fast_dispatch.py has loaded it; None: Python's
+_native_signature = None
+
+
+def use_native_signature(native) -> None:
+    """Key the costs with ``native`` (the C++ signature, about a tenth of Python's cost) from now on."""
+    global _native_signature
+    _native_signature = native
+
+
+def signature(func, args, kwargs, out) -> tuple | bytes | None:
     """The full signature of the call ``func(*args, **kwargs) -> out`` (torch's function modes off), or
-    None when an argument is of a kind it cannot hold."""
+    None when an argument is of a kind it cannot hold: C++'s where loaded, else :func:`python_signature`."""
+    if _native_signature is not None:
+        return _native_signature(values_matter(func), func, tuple(args), kwargs, out)
+    return python_signature(func, args, kwargs, out)
+
+
+def python_signature(func, args, kwargs, out) -> tuple | None:
+    """:func:`signature` in Python."""
     key: list = [id(func)]  # the table keeps func (its id stays its own); OpOverload.__hash__ is Python
     seen: dict[int, int] = {}  # id of each tensor -> the order it first appeared in
+    by_value = values_matter(func)
     try:
-        _add(key, args, seen)
+        _add(key, args, seen, by_value)
         if kwargs:
             key += (_KWARGS, tuple(kwargs))  # the names, then the values in their order
-            _add(key, kwargs.values(), seen)
+            _add(key, kwargs.values(), seen, by_value)
         key.append(_OUT)
-        _add(key, (out,), seen)
+        _add(key, (out,), seen, by_value)
     except _Unsigned:
         return None
     return tuple(key)

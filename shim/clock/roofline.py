@@ -200,6 +200,18 @@ def _op(func) -> tuple:
     return facts
 
 
+def is_free(func) -> bool:
+    """Whether ``func`` launches no kernel (a view, an ``empty``): :func:`op_cost` prices it at nothing."""
+    return _op(func)[1]
+
+
+def values_matter(func) -> bool:
+    """Whether :func:`op_cost` of ``func`` may read its arguments other than tensors (a FLOP formula, or
+    attention's); without, it prices only the bytes of the tensors."""
+    _, free, _, formula, is_attn = _op(func)
+    return not free and (formula is not None or is_attn)
+
+
 def op_cost(func, args, kwargs, out, profile: Profile) -> OpCost:
     """Model the time of ``func(*args, **kwargs)``, which returned ``out``, on ``profile``'s GPU.
 

@@ -41,6 +41,10 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/PyInterpreterHooks.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/Device.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/Layout.h>
+#include <torch/csrc/MemoryFormat.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/library.h>
 
@@ -611,11 +615,180 @@ PyObject* new_wrapper(PyObject* /*module*/, PyObject* elem) {
 
 PyMethodDef g_new_wrapper_def = {"new_wrapper", new_wrapper, METH_O, "A MirageTensor wrapping a CPU tensor."};
 
+// ---- The signature of an op priced in Python (shim/clock/op_costs.py's signature(), here for its speed:
+// ~5 us an op in Python, most of what timing the ops left to __torch_dispatch__ cost).
+
+// Markers of the Python signature's, a marker or a type's address before each item, so that no two calls of
+// different arguments give the same bytes.
+enum SigTag : int64_t { kNew = 1, kSame, kList, kTuple, kKwargs, kOut };
+
+struct PySignature {
+  std::string key;                                // int64s, packed
+  std::unordered_map<PyObject*, int64_t> seen;    // each tensor -> the order it first appeared in
+  bool values;                                    // the op may read its other arguments' values
+  void put(int64_t v) {
+    key.append(reinterpret_cast<const char*>(&v), sizeof v);
+  }
+  void put_type(PyObject* obj) {
+    put(reinterpret_cast<int64_t>(Py_TYPE(obj)));
+  }
+};
+
+// Append `value` (an argument, a list or tuple of them, a result) as op_costs._add / _add_types do.
+// 1 for a value a signature cannot hold (an object of the program's among the values an op may read,
+// an int beyond 64 bits, symbolic sizes); 0 once appended.
+int sig_add(PySignature& sig, PyObject* value) {
+  if (THPVariable_Check(value)) {
+    auto found = sig.seen.find(value);
+    if (found != sig.seen.end()) {
+      sig.put(kSame);
+      sig.put(found->second);
+      return 0;
+    }
+    const int64_t order = static_cast<int64_t>(sig.seen.size());
+    sig.seen.emplace(value, order);
+    const at::Tensor& t = THPVariable_Unpack(value);
+    if (t.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
+      return 1;
+    }
+    sig.put(kNew);
+    sig.put_type(value);
+    sig.put(static_cast<int64_t>(t.layout()));
+    sig.put(static_cast<int64_t>(t.scalar_type()));
+    sig.put(t.dim());
+    for (auto size : t.sizes()) {
+      sig.put(size);
+    }
+    if (t.layout() == c10::kStrided) {
+      for (auto stride : t.strides()) {
+        sig.put(stride);
+      }
+    }
+    return 0;
+  }
+  if (PyList_Check(value) || PyTuple_Check(value)) {
+    const bool is_list = PyList_Check(value);
+    const Py_ssize_t n = is_list ? PyList_GET_SIZE(value) : PyTuple_GET_SIZE(value);
+    sig.put(is_list ? kList : kTuple);
+    sig.put(n);
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      if (sig_add(sig, is_list ? PyList_GET_ITEM(value, i) : PyTuple_GET_ITEM(value, i)) != 0) {
+        return 1;
+      }
+    }
+    return 0;
+  }
+  sig.put_type(value);
+  if (!sig.values) {
+    return 0;  // an op priced by its bytes: the type alone
+  }
+  if (value == Py_None) {
+    return 0;
+  }
+  if (PyBool_Check(value)) {
+    sig.put(value == Py_True);
+  } else if (PyLong_CheckExact(value)) {
+    int overflow = 0;
+    const long long v = PyLong_AsLongLongAndOverflow(value, &overflow);
+    if (overflow != 0) {
+      return 1;
+    }
+    sig.put(v);
+  } else if (PyFloat_CheckExact(value)) {
+    const double d = PyFloat_AS_DOUBLE(value);
+    int64_t bits = 0;
+    std::memcpy(&bits, &d, sizeof bits);
+    sig.put(bits);
+  } else if (PyComplex_CheckExact(value)) {
+    for (double d : {PyComplex_RealAsDouble(value), PyComplex_ImagAsDouble(value)}) {
+      int64_t bits = 0;
+      std::memcpy(&bits, &d, sizeof bits);
+      sig.put(bits);
+    }
+  } else if (PyUnicode_CheckExact(value)) {
+    Py_ssize_t size = 0;
+    const char* text = PyUnicode_AsUTF8AndSize(value, &size);
+    if (text == nullptr) {
+      PyErr_Clear();
+      return 1;
+    }
+    sig.put(size);
+    sig.key.append(text, static_cast<size_t>(size));
+  } else if (THPDtype_Check(value)) {
+    sig.put(static_cast<int64_t>(reinterpret_cast<THPDtype*>(value)->scalar_type));
+  } else if (THPDevice_Check(value)) {
+    const auto& device = reinterpret_cast<THPDevice*>(value)->device;
+    sig.put(static_cast<int64_t>(device.type()));
+    sig.put(device.index());
+  } else if (THPLayout_Check(value)) {
+    sig.put(static_cast<int64_t>(reinterpret_cast<THPLayout*>(value)->layout));
+  } else if (THPMemoryFormat_Check(value)) {
+    sig.put(static_cast<int64_t>(reinterpret_cast<THPMemoryFormat*>(value)->memory_format));
+  } else {
+    return 1;
+  }
+  return 0;
+}
+
+// signature(values, func, args, kwargs, out) -> bytes, or None for a call a signature cannot hold: the
+// call func(*args, **kwargs) -> out as op_costs.signature() keys it (the op, its tensors' type, layout,
+// dtype, sizes and strides, which arguments are the same tensor, the other arguments' types, and their
+// values where `values` is true).
+PyObject* op_signature(PyObject* /*module*/, PyObject* const* argv, Py_ssize_t argc) {
+  if (argc != 5 || !PyTuple_Check(argv[2]) || (argv[3] != Py_None && !PyDict_Check(argv[3]))) {
+    PyErr_SetString(PyExc_TypeError, "signature(values, func, args: tuple, kwargs: dict | None, out)");
+    return nullptr;
+  }
+  try {
+    PySignature sig;
+    sig.values = PyObject_IsTrue(argv[0]) == 1;
+    sig.key.reserve(512);
+    sig.put(reinterpret_cast<int64_t>(argv[1]));  // the table keeps func, so its address stays its own
+    int unsigned_ = sig_add(sig, argv[2]);
+    if (unsigned_ == 0 && argv[3] != Py_None && PyDict_GET_SIZE(argv[3]) > 0) {
+      sig.put(kKwargs);
+      sig.put(PyDict_GET_SIZE(argv[3]));
+      PyObject* name = nullptr;
+      PyObject* value = nullptr;
+      Py_ssize_t pos = 0;
+      while (unsigned_ == 0 && PyDict_Next(argv[3], &pos, &name, &value)) {
+        Py_ssize_t size = 0;
+        const char* text = PyUnicode_AsUTF8AndSize(name, &size);
+        if (text == nullptr) {
+          return nullptr;
+        }
+        sig.put(size);
+        sig.key.append(text, static_cast<size_t>(size));
+        unsigned_ = sig_add(sig, value);
+      }
+    }
+    if (unsigned_ == 0) {
+      sig.put(kOut);
+      unsigned_ = sig_add(sig, argv[4]);
+    }
+    if (unsigned_ != 0) {
+      Py_RETURN_NONE;
+    }
+    return PyBytes_FromStringAndSize(sig.key.data(), static_cast<Py_ssize_t>(sig.key.size()));
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+PyMethodDef g_signature_def = {"signature", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(op_signature)),
+                               METH_FASTCALL, "The signature of an op priced in Python (shim/clock/op_costs.py)."};
+
 } // namespace
 
 // new_wrapper as a Python builtin (a new reference), once mirage_register_kernels has run.
 extern "C" PyObject* mirage_new_wrapper() {
   return PyCFunction_New(&g_new_wrapper_def, nullptr);
+}
+
+// op_signature as a Python builtin (a new reference).
+extern "C" PyObject* mirage_op_signature() {
+  return PyCFunction_New(&g_signature_def, nullptr);
 }
 
 // Register the view kernel on the ops `views` names (aten overloads: "view", "transpose.int") and

@@ -30,6 +30,7 @@ import functools
 
 import torch
 
+from shim.clock import op_costs
 from shim.clock.roofline import op_cost
 from shim.device import state as dev
 from shim.memory import allocator  # noqa: F401 - it builds RUNTIME.allocator
@@ -129,5 +130,8 @@ def install() -> None:
     factory = lib.mirage_new_wrapper
     factory.restype = ctypes.py_object
     tensor.use_wrapper_factory(factory())
+    native_signature = lib.mirage_op_signature
+    native_signature.restype = ctypes.py_object
+    op_costs.use_native_signature(native_signature())
     _lib = lib
     FAST_DISPATCH_ERROR = None
