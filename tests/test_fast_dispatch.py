@@ -240,6 +240,9 @@ model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.LayerNorm(128), t
                             torch.nn.Linear(128, 10)).cuda()
 opt = torch.optim.Adam(model.parameters())
 x, y = torch.randn(16, 64, device="cuda"), torch.randint(0, 10, (16,), device="cuda")
+a, b = torch.randn(256, 256, device="cuda"), torch.randn(256, 256, device="cuda")
+for _ in range(2):  # x + x reads x once, x + y both: one signature would price both alike
+    a + a, a + b, b * b, b * a
 for step in range(3):
     opt.zero_grad()
     loss = torch.nn.functional.cross_entropy(torch.softmax(model(x) * 2.0, -1).log() + x[:, :10].abs().sqrt(), y)

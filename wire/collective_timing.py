@@ -7,6 +7,7 @@ The daemon times the collectives it runs with :func:`timing`
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from wire import collective_cost as cost
@@ -55,10 +56,16 @@ def nbytes(req: Collective, size: int) -> int:
     return req.numel * item  # all_reduce, reduce_scatter (its whole input), broadcast, reduce, send
 
 
+# A training step repeats its collectives' sizes: each estimate (~17 us of Python, every (algorithm,
+# protocol) pair priced) is worked out once. The model is a pure function of its arguments, and a
+# Profile is frozen.
+_estimate = functools.lru_cache(maxsize=4096)(cost.estimate)
+
+
 def timing(profile: Profile, req: Collective, ranks: int, per_node: int, start: float) -> Timing:
     """A collective like ``req`` among ``ranks`` ranks (at most ``per_node`` on one host) that starts at
     ``start``: when it ends, and RCCL's algorithm for it. The daemon times its collectives with this; a rank
     that ran one rank to rank (``shim.transport.direct``) times it with the same figures, so both agree."""
-    estimate = cost.estimate(_PRICED_AS[req.op], nbytes(req, ranks), ranks, profile, per_node)
+    estimate = _estimate(_PRICED_AS[req.op], nbytes(req, ranks), ranks, profile, per_node)
     algo = f"{estimate.algorithm.value}/{estimate.protocol.value}" if ranks > 1 else ""
     return Timing(start, start + estimate.seconds, algo)

@@ -28,6 +28,7 @@
 
 #include <Python.h>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -139,7 +140,7 @@ struct SignatureHash {
 std::unordered_map<Signature, PyObject*, SignatureHash> g_costs;  // signature -> OpCost (a strong reference)
 constexpr size_t kMaxCosts = 1 << 16;  // a program whose shapes never repeat starts the table afresh past this
 
-enum Tag : int64_t { kTensor = 1, kUndefined, kNone, kInt, kDouble, kBool, kString, kIntList, kOther };
+enum Tag : int64_t { kTensor = 1, kUndefined, kNone, kInt, kDouble, kBool, kString, kIntList, kOther, kSameTensor };
 
 void add_tensor(Signature& key, const at::Tensor& t) {
   if (!t.defined()) {
@@ -165,8 +166,9 @@ void add_double(Signature& key, double d) {
   key.push_back(bits);
 }
 
-// False for an argument the signature cannot hold (the op is then timed by the Python path).
-bool add_value(Signature& key, const c10::IValue& v) {
+// False for an argument the signature cannot hold (the op is then timed by the Python path). `seen`: the
+// tensors met so far in this call, so that `x + x` (which reads x once) and `x + y` differ.
+bool add_value(Signature& key, const c10::IValue& v, std::vector<const c10::TensorImpl*>& seen) {
   if (v.isTensor() && v.toTensor().defined() && v.toTensor().unsafeGetTensorImpl()->is_wrapped_number()) {
     // a Python number the op was given (x * 2.0): the fallback hands it back as one, which reads no bytes
     const c10::Scalar number = v.toTensor().item();
@@ -176,7 +178,17 @@ bool add_value(Signature& key, const c10::IValue& v) {
     add_double(key, number.toDouble());
     key.push_back(static_cast<int64_t>(number.type()));
   } else if (v.isTensor()) {
-    add_tensor(key, v.toTensor());
+    const c10::TensorImpl* impl = v.toTensor().defined() ? v.toTensor().unsafeGetTensorImpl() : nullptr;
+    const auto found = std::find(seen.begin(), seen.end(), impl);
+    if (impl != nullptr && found != seen.end()) {
+      key.push_back(kSameTensor);
+      key.push_back(found - seen.begin());
+    } else {
+      if (impl != nullptr) {
+        seen.push_back(impl);
+      }
+      add_tensor(key, v.toTensor());
+    }
   } else if (v.isNone()) {
     key.push_back(kNone);
   } else if (v.isBool()) {
@@ -408,13 +420,14 @@ bool charge(const c10::OperatorHandle& op, const std::vector<c10::IValue>& given
   Signature key;
   key.reserve(64);
   key.push_back(reinterpret_cast<int64_t>(&op.schema()));
+  std::vector<const c10::TensorImpl*> seen;
   for (const auto& value : given) {
-    if (!add_value(key, value)) {
+    if (!add_value(key, value, seen)) {
       return false;
     }
   }
   for (const auto& value : outs) {
-    if (!add_value(key, value)) {
+    if (!add_value(key, value, seen)) {
       return false;
     }
   }
