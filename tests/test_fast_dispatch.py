@@ -140,12 +140,42 @@ with Log():
     show_new("plain_under_mode", row * 2)
 print("mode saw", seen)
 
+def in_place(name, op):  # each written through a view, to its base's storage
+    base = torch.arange(12., device="cuda:1").reshape(3, 4)
+    t, o = base[:, 1:], torch.linspace(1, 2, 9, device="cuda:1").reshape(3, 3)
+    version = t._version
+    del calls[:]
+    r = op(t, o)
+    in_python.extend(calls)
+    print("in-place", name, r is t, t._version - version, t.tolist(), base.tolist(), flush=True)
+in_python = []
+longs = torch.full((3, 3), 2, dtype=torch.long, device="cuda:1")
+for name, op in {
+    "copy_": lambda t, o: t.copy_(o), "copy_cast": lambda t, o: t.copy_(longs),
+    "copy_scalar": lambda t, o: t.copy_(torch.tensor(3.0)), "add_": lambda t, o: t.add_(o, alpha=2),
+    "add_scalar": lambda t, o: t.add_(3), "sub_": lambda t, o: t.sub_(o), "mul_": lambda t, o: t.mul_(o),
+    "mul_scalar": lambda t, o: t.mul_(0.5), "div_": lambda t, o: t.div_(o), "div_scalar": lambda t, o: t.div_(4),
+    "zero_": lambda t, o: t.zero_(), "fill_": lambda t, o: t.fill_(7),
+    "addcmul_": lambda t, o: t.addcmul_(o, o, value=0.5), "addcdiv_": lambda t, o: t.addcdiv_(o, o, value=-1),
+    "lerp_": lambda t, o: t.lerp_(o, 0.25), "sqrt_": lambda t, o: t.sqrt_(), "clamp_": lambda t, o: t.clamp_(2, 5),
+    "neg_": lambda t, o: t.neg_(),
+}.items():
+    in_place(name, op)
+print("in-place calls:", len(in_python), in_python)
+i = torch.ones(3, dtype=torch.long, device="cuda:1")
+try:
+    i.add_(torch.full((3,), 0.5, device="cuda:1"))
+except RuntimeError as e:
+    print("in-place error", e, i.tolist(), i._version)
+
 # what the kernels may take: in-place, device-taking, random and list-returning ops stay in Python
 for check, op in ((fast_dispatch._check_plain, torch.ops.aten.add_.Tensor),
                   (fast_dispatch._check_plain, torch.ops.aten.ones_like.default),
                   (fast_dispatch._check_plain, torch.ops.aten.bernoulli.p),
                   (fast_dispatch._check_plain, torch.ops.aten.view.default),
-                  (fast_dispatch._check_view, torch.ops.aten.split.Tensor)):
+                  (fast_dispatch._check_view, torch.ops.aten.split.Tensor),
+                  (fast_dispatch._check_in_place, torch.ops.aten.add.Tensor),
+                  (fast_dispatch._check_in_place, torch.ops.aten._foreach_add_.Scalar)):
     try:
         check(op)
     except AssertionError as e:
@@ -167,7 +197,8 @@ def _describe(tmp_path, compiler: str) -> tuple[list[str], str, str]:
     lines = r.stdout.splitlines()
     [error] = [line for line in lines if line.startswith("[0] fast dispatch: ")]
     [calls] = [line for line in lines if line.startswith("[0] calls: ")]
-    return [line for line in lines if line not in (error, calls)], error, calls
+    [in_place] = [line for line in lines if line.startswith("[0] in-place calls: ")]
+    return [line for line in lines if line not in (error, calls, in_place)], error, calls + "; " + in_place
 
 
 def test_ops_in_cpp_describe_the_same_as_through_torch_dispatch(tmp_path):
@@ -175,11 +206,12 @@ def test_ops_in_cpp_describe_the_same_as_through_torch_dispatch(tmp_path):
     assert error == "[0] fast dispatch: None"
     # every view of the set stayed in C++ but one: view(dtype)'s autograd kernel detaches its input
     # through torch's Python interpreter (TensorImpl::shallow_copy_and_detach), not the dispatcher
-    assert calls == "[0] calls: 1"
+    # and every in-place op did too (the copy of a 0-dim CPU tensor as well, a scalar as in _fast)
+    assert calls == "[0] calls: 1; [0] in-place calls: 0 []"
     python, error, calls = _describe(tmp_path / "python", "none")
     assert error == ("[0] fast dispatch: no C++ compiler: '/nonexistent/c++' not found (CXX names the compiler, "
                      "default c++)")
-    assert calls != "[0] calls: 0"
+    assert calls.startswith("[0] calls: ") and "calls: 0" not in calls
     assert cpp == python
     text = "\n".join(cpp)
     # what both must say, beyond being the same
@@ -191,6 +223,12 @@ def test_ops_in_cpp_describe_the_same_as_through_torch_dispatch(tmp_path):
     assert "[0] inplace [[1.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]] 1 1" in cpp
     assert any(line.startswith("[0] leaf view in-place: a view of a leaf Variable that requires grad") for line in cpp)
     assert any(line.startswith("[0] thread [[{") for line in cpp), text
+    # written once, through the view, the same wrapper handed back
+    assert ("[0] in-place add_ True 1 [[3.0, 4.25, 5.5], [7.75, 9.0, 10.25], [12.5, 13.75, 15.0]] "
+            "[[0.0, 3.0, 4.25, 5.5], [4.0, 7.75, 9.0, 10.25], [8.0, 12.5, 13.75, 15.0]]") in cpp, text
+    assert len([line for line in cpp if line.startswith("[0] in-place ") and " True 1 " in line]) == 18, text
+    assert any(line.startswith("[0] in-place error result type Float can't be cast to the desired output type "
+                               "Long [1, 1, 1] 0") for line in cpp), text
     assert '"gpu": 0' in next(line for line in cpp if line.startswith("[0] allocating_on "))
     assert '"gpu": 0' in next(line for line in cpp if line.startswith("[0] allocating_on_plain "))
     assert any(line.startswith("[0] error: view size is not compatible") for line in cpp), text
@@ -206,6 +244,8 @@ def test_ops_in_cpp_describe_the_same_as_through_torch_dispatch(tmp_path):
         "[0] refused: aten.bernoulli.p is not a functional op on tensors and numbers",
         "[0] refused: aten.view.default is not a functional op on tensors and numbers",
         "[0] refused: aten.split.Tensor is not a view of its one tensor argument returning one tensor",
+        "[0] refused: aten.add.Tensor is not an in-place op on its first argument",
+        "[0] refused: aten._foreach_add_.Scalar is not an in-place op on its first argument",
     ], text
 
 

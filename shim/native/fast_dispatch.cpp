@@ -412,32 +412,36 @@ bool view_in_cpp(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   return true;
 }
 
-// Clocked mode: advance the rank's clock by the plain op just run, as __torch_dispatch__ does with
-// Clock.charge, its cost found by its signature. False (a Python exception cleared) when it cannot be:
-// the Python path runs the functional op again and times it.
-bool charge(const c10::OperatorHandle& op, const std::vector<c10::IValue>& given, const std::vector<PyObject*>& wrappers,
-            const std::vector<c10::IValue>& outs, PyObject* func, long gpu_index) {
+// Clocked mode: the cost of the plain op `op` (given -> outs), found by its signature (a new reference);
+// nullptr (no Python error left set) when it cannot be had: the Python path then times the op.
+PyObject* price(const c10::OperatorHandle& op, const std::vector<c10::IValue>& given,
+                const std::vector<PyObject*>& wrappers, const std::vector<c10::IValue>& outs, PyObject* func) {
   Signature key;
   key.reserve(64);
   key.push_back(reinterpret_cast<int64_t>(&op.schema()));
   std::vector<const c10::TensorImpl*> seen;
   for (const auto& value : given) {
     if (!add_value(key, value, seen)) {
-      return false;
+      return nullptr;
     }
   }
   for (const auto& value : outs) {
     if (!add_value(key, value, seen)) {
-      return false;
+      return nullptr;
     }
   }
   PyObject* cost = cost_of(op, std::move(key), given, wrappers, outs, func);
   if (cost == nullptr) {
     PyErr_Clear();
-    return false;
+    return nullptr;
   }
   Py_INCREF(cost);  // held: the table may start afresh while Python runs
-  Ref held(cost);
+  return cost;
+}
+
+// Advance the rank's clock by `cost`, as __torch_dispatch__ does with Clock.charge (Clock.charge_priced);
+// false, with the Python exception set, if it raised.
+bool advance(PyObject* cost, const std::vector<PyObject*>& wrappers, PyObject* func, long gpu_index) {
   Py_ssize_t count = 0;
   for (PyObject* w : wrappers) {
     count += w != nullptr;
@@ -445,7 +449,6 @@ bool charge(const c10::OperatorHandle& op, const std::vector<c10::IValue>& given
   Ref inputs(PyTuple_New(count));  // the emulated inputs: a collective that writes one delays the op
   Ref gpu(PyLong_FromLong(gpu_index));
   if (inputs.p == nullptr || gpu.p == nullptr) {
-    PyErr_Clear();
     return false;
   }
   Py_ssize_t next = 0;
@@ -456,10 +459,34 @@ bool charge(const c10::OperatorHandle& op, const std::vector<c10::IValue>& given
     }
   }
   Ref done(PyObject_CallFunctionObjArgs(g_charge, gpu.p, func, cost, inputs.p, nullptr));
-  if (done.p == nullptr) {
-    PyErr_Clear();
-    return false;
+  return done.p != nullptr;
+}
+
+// plain_in_cpp's in-place op, its arguments unwrapped into `inner`: priced (clocked mode), run, and its first
+// argument's wrapper handed back. False, before anything ran, where it cannot be priced.
+bool in_place_in_cpp(const c10::OperatorHandle& op, torch::jit::Stack* stack, torch::jit::Stack& inner,
+                     const std::vector<c10::IValue>& given, const std::vector<PyObject*>& wrappers, PyObject* func,
+                     long gpu_index) {
+  const auto num_arguments = op.schema().arguments().size();
+  c10::IValue self = *(stack->end() - static_cast<std::ptrdiff_t>(num_arguments));  // the wrapper written
+  PyObject* cost = nullptr;
+  if (g_charge != nullptr) {
+    cost = price(op, given, wrappers, {self}, func);
+    if (cost == nullptr) {
+      return false;
+    }
   }
+  Ref held(cost);
+  {
+    NoGil no_gil;
+    c10::impl::ExcludeDispatchKeyGuard exclude(kAbovePython);
+    op.callBoxed(inner);  // an error (before anything is written, as torch checks first) goes to kernel()
+  }
+  if (cost != nullptr && !advance(cost, wrappers, func, gpu_index)) {
+    PyErr_WriteUnraisable(func);  // the op ran: the clock misses it, said on stderr; it must not run again
+  }
+  torch::jit::drop(*stack, num_arguments);
+  torch::jit::push(*stack, std::move(self));
   return true;
 }
 
@@ -468,12 +495,26 @@ bool charge(const c10::OperatorHandle& op, const std::vector<c10::IValue>& given
 // the CPU tensors inside (the GIL released), each output wrapped and counted by the allocator
 // (ALLOCATOR.hold, in Python). False (nothing changed) when the arguments are anything else, or
 // when the op or the allocator raises: the Python path then runs it again and raises what it raises.
+//
+// An in-place elementwise op (x.add_(y), copy_: it writes its first argument, an emulated tensor, and
+// returns it) runs on that tensor's CPU tensor and hands back the same wrapper, as _fast's _same_wrapper
+// does (such an op never changes its geometry; the ops are picked for that). Once it has run it is done:
+// the Python path must not run it a second time, so clocked mode prices it before it runs.
 bool plain_in_cpp(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (c10::impl::TorchDispatchModeTLS::stack_len() > 0) {
     return false;
   }
   const auto num_arguments = op.schema().arguments().size();
   auto args = stack->end() - static_cast<std::ptrdiff_t>(num_arguments);
+  const bool in_place = op.schema().returns().size() == 1 && op.schema().returns()[0].alias_info() != nullptr;
+  if (in_place) {
+    PyObject* self = args->isTensor() && args->toTensor().defined()
+                         ? args->unsafeToTensorImpl()->pyobj_slot()->load_pyobj()
+                         : nullptr;
+    if (self == nullptr || Py_TYPE(self) != g_wrapper_type) {
+      return false;  // a CPU scalar written in place, or another subclass: _dispatch decides
+    }
+  }
   torch::jit::Stack inner(args, stack->end());
   long gpu_index = -1;  // the GPU of the wrappers among the arguments (-1: none seen)
   const bool clocked = g_charge != nullptr;
@@ -540,6 +581,9 @@ bool plain_in_cpp(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     Py_DECREF(gpu.p);
     gpu.p = PyLong_FromLong(gpu_index);
   }
+  if (in_place) {
+    return in_place_in_cpp(op, stack, inner, given, wrappers, func, gpu_index);
+  }
   {
     // as the Python path's func._op does: kernels run without the GIL. An error reaches
     // kernel(), which leaves the op (functional: nothing changed) to the Python path.
@@ -577,8 +621,12 @@ bool plain_in_cpp(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     }
     outs.emplace_back(std::move(wrapper));
   }
-  if (clocked && !charge(op, given, wrappers, outs, func, gpu_index)) {
-    return false;
+  if (clocked) {
+    Ref cost(price(op, given, wrappers, outs, func));
+    if (cost.p == nullptr || !advance(cost.p, wrappers, func, gpu_index)) {
+      PyErr_Clear();
+      return false;
+    }
   }
   torch::jit::drop(*stack, num_arguments);
   for (auto& value : outs) {

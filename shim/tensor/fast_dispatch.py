@@ -69,6 +69,16 @@ PLAIN_OPS = (
     _aten.nll_loss_backward.default,
 )
 
+#: in-place elementwise ops taken in C++ (DDP's bucket copies, optimizers without foreach, gradient
+#: accumulation): each writes its first argument and returns it, and never changes its geometry;
+#: _check_in_place holds each to the schema the kernel assumes
+IN_PLACE_OPS = (
+    _aten.copy_.default, _aten.add_.Tensor, _aten.add_.Scalar, _aten.sub_.Tensor, _aten.mul_.Tensor,
+    _aten.mul_.Scalar, _aten.div_.Tensor, _aten.div_.Scalar, _aten.zero_.default, _aten.fill_.Scalar,
+    _aten.addcmul_.default, _aten.addcdiv_.default, _aten.lerp_.Scalar, _aten.sqrt_.default,
+    _aten.clamp_.default, _aten.neg_.default,
+)
+
 _lib: ctypes.CDLL | None = None  # kept: the registrations point into it for the process's life
 
 
@@ -101,6 +111,23 @@ def _check_plain(op) -> str:
     return _name(op)
 
 
+def _check_in_place(op) -> str:
+    """``op``'s name, once it is what the kernel assumes of an in-place op: a plain op that ``_fast`` runs,
+    writing its first argument (a tensor) and returning it, aliasing nothing else, with no lists of
+    tensors or devices among its arguments."""
+    schema = op._schema
+    plan = tensor._Plan(op)
+    first, *rest = schema.arguments
+    returns = schema.returns
+    if (plan.kind != tensor._PLAIN or not plan.fast or op.is_view or str(first.type) != "Tensor"
+            or first.alias_info is None or not first.alias_info.is_write
+            or len(returns) != 1 or returns[0].alias_info is None
+            or returns[0].alias_info.before_set != first.alias_info.before_set
+            or any(a.alias_info is not None or tensor._tensor_slot(a.type) is None for a in rest)):
+        raise AssertionError(f"{op} is not an in-place op on its first argument")
+    return _name(op)
+
+
 def install() -> None:
     """Build (once, cached) and register the kernels; on failure record why in :data:`FAST_DISPATCH_ERROR`."""
     global FAST_DISPATCH_ERROR, _lib
@@ -108,8 +135,8 @@ def install() -> None:
         views = [_check_view(op) for op in VIEW_OPS]
         # Estimate mode's rules for tensors without values (shim/tensor/estimate.py) are Python's: only the
         # views, which launch no kernel, stay in C++ there.
-        plain_ops = [] if RUNTIME.settings.estimate else list(PLAIN_OPS)
-        plain = [_check_plain(op) for op in plain_ops]
+        plain_ops = [] if RUNTIME.settings.estimate else list(PLAIN_OPS) + list(IN_PLACE_OPS)
+        plain = [_check_in_place(op) if op in IN_PLACE_OPS else _check_plain(op) for op in plain_ops]
         lib = native_build.load(native_build.FAST_DISPATCH_SOURCE, "the fast dispatch kernels", ctypes.PyDLL)
     except (AssertionError, native_build.BuildError) as e:  # another torch's schemas, or no build
         FAST_DISPATCH_ERROR = str(e)
