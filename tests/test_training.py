@@ -21,8 +21,9 @@ from test_run import FIXTURES, REPO_ROOT, SOCKET_ENV, mirage_run
 # every test here starts rank processes and trains (the registered meaning of "slow")
 pytestmark = [pytest.mark.usefixtures("no_orphans"), pytest.mark.slow, pytest.mark.e2e]
 
-#: "[rank 0] step 3 loss 0.41995", "[rank 0] checksum 12.89819", "[rank 1] checksum find_unused 4.29"
-_FIGURE = re.compile(r"\[rank (\d+)\] (step \d+ loss|checksum(?: \w+)?) (-?\d+\.\d+)")
+#: "[rank 0] step 3 loss 0.41995", "[rank 0] checksum 12.89819", "[rank 1] checksum find_unused 4.29",
+#: "[rank 1] step 0 loss gpipe 0.41995" (a figure of one of several parts a program runs)
+_FIGURE = re.compile(r"\[rank (\d+)\] (step \d+ loss(?: \w+)?|checksum(?: \w+)?) (-?\d+\.\d+)")
 
 
 def figures(text: str) -> dict[tuple[str, str], float]:
@@ -131,18 +132,23 @@ def test_fsdp2_matches_gloo(tmp_path):
     assert_same_figures(r.stdout, cpu, rel=1e-4)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_pipeline_parallel_schedules_match_gloo(tmp_path, schedule):
+def test_pipeline_parallel_schedules_match_gloo(tmp_path):
     """torch.distributed.pipelining: a PipelineStage per rank, 4 microbatches, activations and gradients
-    crossing ranks as send/recv."""
-    gpus, steps = 2, 3
+    crossing ranks as send/recv; GPipe then 1F1B, each on a stage of its own, in one launch (one world
+    under mirage, one under CPU + gloo) whose lines name the schedule."""
+    gpus, steps, schedules = 2, 3, ("gpipe", "1f1b")
     r = mirage_run(tmp_path, "--gpus-per-node", str(gpus), "--nproc-per-node", str(gpus), "--", "python",
-                   str(FIXTURES / "pipeline_train.py"), "--schedule", schedule,
+                   str(FIXTURES / "pipeline_train.py"), "--schedule", ",".join(schedules),
                    steps=steps)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "[0] pipeline_ok" in r.stdout
-    cpu = run_on_cpu(str(FIXTURES / "pipeline_train.py"), "--schedule", schedule, nprocs=gpus, steps=steps)
+    cpu = run_on_cpu(str(FIXTURES / "pipeline_train.py"), "--schedule", ",".join(schedules), nprocs=gpus,
+                     steps=steps)
     assert_same_figures(r.stdout, cpu, rel=1e-5)
+    # every schedule's losses (the last stage's) and each stage's checksum, from both runs
+    want = {("1", f"step {step} loss {name}") for name in schedules for step in range(steps)}
+    want |= {(str(rank), f"checksum {name}") for name in schedules for rank in range(gpus)}
+    assert set(figures(r.stdout)) == want, sorted(figures(r.stdout))
 
 
 def test_tensor_and_sequence_parallel_with_fsdp2_match_gloo(tmp_path):
