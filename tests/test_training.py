@@ -32,15 +32,16 @@ def figures(text: str) -> dict[tuple[str, str], float]:
 
 
 def run_on_cpu(*args: str, nprocs: int, steps: int, env: dict | None = None) -> str:
-    """The fixture run plainly with torchrun on CPU + gloo (no mirage in sight); its stdout."""
+    """The fixture run plainly on CPU + gloo (no mirage in sight), as ``torchrun --standalone`` would run it;
+    its stdout. Its ranks are forked from one interpreter that imported torch (``tests/fork_ranks.py``): the
+    same program and environment, without an interpreter and an import of torch per rank (seconds of CPU each)."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("MIRAGE_")}
     clean.update(env or {}, STEPS=str(steps))
     clean["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), clean.get("PATH", "")])
     for _ in range(3):  # plain CPU torch with gloo sometimes aborts at exit ("terminate called without an
         # active exception"): the reference, not what is under test, so it is tried again
         r = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}", *args,
-             "--device", "cpu"],
+            [sys.executable, str(REPO_ROOT / "tests" / "fork_ranks.py"), str(nprocs), *args, "--device", "cpu"],
             cwd=REPO_ROOT, env=clean, capture_output=True, text=True, timeout=240,
         )
         if r.returncode == 0 or "terminate called without an active exception" not in r.stderr:
