@@ -77,10 +77,12 @@ def test_ddp_variants_under_mp_spawn_match_gloo(tmp_path):
     # spawned children's lines are their own rank's once they form the world
     assert "[1] [rank 1] syncbn ok" in r.stdout
     assert "[1] [rank 1] amp ok" in r.stdout
-    # the same program on CPU + gloo, spawned the same way
+    # the same program on CPU + gloo, its workers forked: spawned (as above), each of them and each of their
+    # DataLoader workers would import torch afresh, most of this test's CPU; the checksums are the same
     env = {k: v for k, v in os.environ.items() if not k.startswith("MIRAGE_")}
     env.update(STEPS=str(steps), DDP_VARIANTS_PORT=str(free_port()), DDP_VARIANTS_DIR=str(tmp_path))
-    cpu = subprocess.run([sys.executable, str(FIXTURES / "ddp_variants.py"), "--device", "cpu", "--nprocs", "2"],
+    cpu = subprocess.run([sys.executable, str(FIXTURES / "ddp_variants.py"), "--device", "cpu", "--nprocs", "2",
+                          "--start-method", "fork"],
                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
     # torch's own gloo can abort a spawned child as the interpreter finalizes, after the program has finished
     # ("terminate called without an active exception", pytorch/pytorch#179291): the figures are all printed by then
