@@ -21,8 +21,9 @@ from test_run import FIXTURES, REPO_ROOT, SOCKET_ENV, mirage_run
 # every test here starts rank processes and trains (the registered meaning of "slow")
 pytestmark = [pytest.mark.usefixtures("no_orphans"), pytest.mark.slow, pytest.mark.e2e]
 
-#: "[rank 0] step 3 loss 0.41995", "[rank 0] checksum 12.89819", "[rank 1] checksum find_unused 4.29"
-_FIGURE = re.compile(r"\[rank (\d+)\] (step \d+ loss|checksum(?: \w+)?) (-?\d+\.\d+)")
+#: "[rank 0] step 3 loss 0.41995", "[rank 0] checksum 12.89819", "[rank 1] checksum find_unused 4.29",
+#: "[rank 1] step 0 loss gpipe 0.41995" (a figure of one of several parts a program runs)
+_FIGURE = re.compile(r"\[rank (\d+)\] (step \d+ loss(?: \w+)?|checksum(?: \w+)?) (-?\d+\.\d+)")
 
 
 def figures(text: str) -> dict[tuple[str, str], float]:
@@ -31,15 +32,16 @@ def figures(text: str) -> dict[tuple[str, str], float]:
 
 
 def run_on_cpu(*args: str, nprocs: int, steps: int, env: dict | None = None) -> str:
-    """The fixture run plainly with torchrun on CPU + gloo (no mirage in sight); its stdout."""
+    """The fixture run plainly on CPU + gloo (no mirage in sight), as ``torchrun --standalone`` would run it;
+    its stdout. Its ranks are forked from one interpreter that imported torch (``tests/fork_ranks.py``): the
+    same program and environment, without an interpreter and an import of torch per rank (seconds of CPU each)."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("MIRAGE_")}
     clean.update(env or {}, STEPS=str(steps))
     clean["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), clean.get("PATH", "")])
     for _ in range(3):  # plain CPU torch with gloo sometimes aborts at exit ("terminate called without an
         # active exception"): the reference, not what is under test, so it is tried again
         r = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}", *args,
-             "--device", "cpu"],
+            [sys.executable, str(REPO_ROOT / "tests" / "fork_ranks.py"), str(nprocs), *args, "--device", "cpu"],
             cwd=REPO_ROOT, env=clean, capture_output=True, text=True, timeout=240,
         )
         if r.returncode == 0 or "terminate called without an active exception" not in r.stderr:
@@ -75,10 +77,12 @@ def test_ddp_variants_under_mp_spawn_match_gloo(tmp_path):
     # spawned children's lines are their own rank's once they form the world
     assert "[1] [rank 1] syncbn ok" in r.stdout
     assert "[1] [rank 1] amp ok" in r.stdout
-    # the same program on CPU + gloo, spawned the same way
+    # the same program on CPU + gloo, its workers forked: spawned (as above), each of them and each of their
+    # DataLoader workers would import torch afresh, most of this test's CPU; the checksums are the same
     env = {k: v for k, v in os.environ.items() if not k.startswith("MIRAGE_")}
     env.update(STEPS=str(steps), DDP_VARIANTS_PORT=str(free_port()), DDP_VARIANTS_DIR=str(tmp_path))
-    cpu = subprocess.run([sys.executable, str(FIXTURES / "ddp_variants.py"), "--device", "cpu", "--nprocs", "2"],
+    cpu = subprocess.run([sys.executable, str(FIXTURES / "ddp_variants.py"), "--device", "cpu", "--nprocs", "2",
+                          "--start-method", "fork"],
                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
     # torch's own gloo can abort a spawned child as the interpreter finalizes, after the program has finished
     # ("terminate called without an active exception", pytorch/pytorch#179291): the figures are all printed by then
@@ -131,18 +135,23 @@ def test_fsdp2_matches_gloo(tmp_path):
     assert_same_figures(r.stdout, cpu, rel=1e-4)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_pipeline_parallel_schedules_match_gloo(tmp_path, schedule):
+def test_pipeline_parallel_schedules_match_gloo(tmp_path):
     """torch.distributed.pipelining: a PipelineStage per rank, 4 microbatches, activations and gradients
-    crossing ranks as send/recv."""
-    gpus, steps = 2, 3
+    crossing ranks as send/recv; GPipe then 1F1B, each on a stage of its own, in one launch (one world
+    under mirage, one under CPU + gloo) whose lines name the schedule."""
+    gpus, steps, schedules = 2, 3, ("gpipe", "1f1b")
     r = mirage_run(tmp_path, "--gpus-per-node", str(gpus), "--nproc-per-node", str(gpus), "--", "python",
-                   str(FIXTURES / "pipeline_train.py"), "--schedule", schedule,
+                   str(FIXTURES / "pipeline_train.py"), "--schedule", ",".join(schedules),
                    steps=steps)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "[0] pipeline_ok" in r.stdout
-    cpu = run_on_cpu(str(FIXTURES / "pipeline_train.py"), "--schedule", schedule, nprocs=gpus, steps=steps)
+    cpu = run_on_cpu(str(FIXTURES / "pipeline_train.py"), "--schedule", ",".join(schedules), nprocs=gpus,
+                     steps=steps)
     assert_same_figures(r.stdout, cpu, rel=1e-5)
+    # every schedule's losses (the last stage's) and each stage's checksum, from both runs
+    want = {("1", f"step {step} loss {name}") for name in schedules for step in range(steps)}
+    want |= {(str(rank), f"checksum {name}") for name in schedules for rank in range(gpus)}
+    assert set(figures(r.stdout)) == want, sorted(figures(r.stdout))
 
 
 def test_tensor_and_sequence_parallel_with_fsdp2_match_gloo(tmp_path):
