@@ -11,7 +11,7 @@ compile in about 1.5 s; those that also need Python's headers and
 (``<venv>/lib/mirage/``; ``~/.cache/mirage/`` for a Python outside one or a
 venv we cannot write to), named by torch's version and a hash of the source
 and the compile flags, so a new torch or an edited source builds a new one
-(and removes the ones it replaces). Ranks that start together build it once:
+(and removes all but the newest few it replaces). Ranks that start together build it once:
 the first takes a lock, the others wait for it and load its result. A failed
 compile is recorded next to where the library would be and not retried with
 the same compiler (delete the record to retry), so that every rank of every
@@ -50,6 +50,9 @@ FAST_DISPATCH_SOURCE = Path(__file__).with_name("fast_dispatch.cpp")
 #: the collectives' profiler events and DDP's timer (shim/transport/profiler.py)
 COMMS_SOURCE = Path(__file__).with_name("comms_native.cpp")
 SOURCES = (SOURCE, GUARD_SOURCE, FAST_DISPATCH_SOURCE, COMMS_SOURCE)
+#: libraries of one source name kept per torch, the newest first: one a checkout, and the few that other
+#: checkouts sharing the virtual environment build
+KEEP_BUILDS = 4
 
 
 class BuildError(RuntimeError):
@@ -136,13 +139,26 @@ def build(source: Path = SOURCE) -> Path:
             tmp.unlink(missing_ok=True)
             raise BuildError(f"{why} (recorded in {failed}; delete it to retry)")
         os.replace(tmp, out)  # whole or absent: a rank never loads a half-written library
-    # what earlier sources built for this torch will not be loaded again (a process that has one
-    # loaded keeps it: unlinking a mapped file leaves the mapping)
-    version = out.name.rsplit("-", 1)[0]
-    for old in out.parent.glob(f"{version}-*"):
-        if old.stem != out.stem:
-            old.unlink(missing_ok=True)
+    _forget_older(out)
     return out
+
+
+def _forget_older(out: Path) -> None:
+    """Remove what earlier sources built for this torch beyond the :data:`KEEP_BUILDS` newest (a process that has
+    one loaded keeps it: unlinking a mapped file leaves the mapping)."""
+    # Not all of them: two checkouts of different sources sharing a virtual environment (a worktree, a
+    # branch switched back to) would otherwise delete each other's library and rebuild it in turn.
+    prefix = out.name.rsplit("-", 1)[0] + "-"
+    builds: dict[str, float] = {}  # the source's hash -> when its library was built
+    for path in out.parent.glob(f"{prefix}*"):
+        key = path.name[len(prefix):].split(".", 1)[0].split("-", 1)[0]
+        if path.suffix == ".so" and key != out.stem[len(prefix):]:
+            builds[key] = path.stat().st_mtime
+    keep = sorted(builds, key=builds.get, reverse=True)[:KEEP_BUILDS - 1]
+    for path in out.parent.glob(f"{prefix}*"):
+        key = path.name[len(prefix):].split(".", 1)[0].split("-", 1)[0]
+        if key != out.stem[len(prefix):] and key not in keep:
+            path.unlink(missing_ok=True)
 
 
 def load(source: Path, what: str, loader: type[ctypes.CDLL] = ctypes.CDLL) -> ctypes.CDLL:
