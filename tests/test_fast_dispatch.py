@@ -168,6 +168,35 @@ try:
 except RuntimeError as e:
     print("in-place error", e, i.tolist(), i._version)
 
+def foreach(name, op):  # an optimizer's updates: each writes every tensor of its first list
+    ts = [torch.arange(6., device="cuda:1").reshape(2, 3)[:, 1:], torch.full((4,), 3., device="cuda:1")]
+    os = [torch.full((2, 2), 2., device="cuda:1"), torch.linspace(1, 2, 4, device="cuda:1")]
+    versions = [t._version for t in ts]
+    del calls[:]
+    try:
+        r = op(ts, os)
+    except RuntimeError as e:
+        r = f"error {e}"
+    foreach_python.extend(calls)
+    r = r if isinstance(r, str) else [a is b for a, b in zip(r, ts)]  # torch hands back the list it wrote
+    print("foreach", name, r, [t._version - v for t, v in zip(ts, versions)], [t.tolist() for t in ts], flush=True)
+foreach_python = []
+half = torch.tensor(0.5, device="cuda:1")
+for name, op in {
+    "add_": lambda ts, os: torch._foreach_add_(ts, 2.0), "add_list": lambda ts, os: torch._foreach_add_(ts, os, alpha=-1),
+    "add_scalars": lambda ts, os: torch._foreach_add_(ts, [1.0, 2.0]), "add_tensor": lambda ts, os: torch._foreach_add_(ts, half),
+    "sub_": lambda ts, os: torch._foreach_sub_(ts, os), "mul_": lambda ts, os: torch._foreach_mul_(ts, 3.0),
+    "mul_list": lambda ts, os: torch._foreach_mul_(ts, os), "mul_tensor": lambda ts, os: torch._foreach_mul_(ts, half),
+    "div_scalars": lambda ts, os: torch._foreach_div_(ts, [2.0, 4.0]), "div_list": lambda ts, os: torch._foreach_div_(ts, os),
+    "addcmul_": lambda ts, os: torch._foreach_addcmul_(ts, os, os, value=0.5),
+    "addcdiv_scalars": lambda ts, os: torch._foreach_addcdiv_(ts, os, os, [0.1, -0.2]),
+    "lerp_": lambda ts, os: torch._foreach_lerp_(ts, os, 0.25), "sqrt_": lambda ts, os: torch._foreach_sqrt_(ts),
+    "neg_": lambda ts, os: torch._foreach_neg_(ts), "zero_": lambda ts, os: torch._foreach_zero_(ts),
+    "lengths": lambda ts, os: torch._foreach_add_(ts, os[:1]),
+}.items():
+    foreach(name, op)
+print("foreach calls:", len(foreach_python), foreach_python)
+
 # what the kernels may take: in-place, device-taking, random and list-returning ops stay in Python
 for check, op in ((fast_dispatch._check_plain, torch.ops.aten.add_.Tensor),
                   (fast_dispatch._check_plain, torch.ops.aten.ones_like.default),
@@ -198,7 +227,9 @@ def _describe(tmp_path, compiler: str) -> tuple[list[str], str, str]:
     [error] = [line for line in lines if line.startswith("[0] fast dispatch: ")]
     [calls] = [line for line in lines if line.startswith("[0] calls: ")]
     [in_place] = [line for line in lines if line.startswith("[0] in-place calls: ")]
-    return [line for line in lines if line not in (error, calls, in_place)], error, calls + "; " + in_place
+    [foreach] = [line for line in lines if line.startswith("[0] foreach calls: ")]
+    return ([line for line in lines if line not in (error, calls, in_place, foreach)], error,
+            "; ".join((calls, in_place, foreach)))
 
 
 def test_ops_in_cpp_describe_the_same_as_through_torch_dispatch(tmp_path):
@@ -207,7 +238,9 @@ def test_ops_in_cpp_describe_the_same_as_through_torch_dispatch(tmp_path):
     # every view of the set stayed in C++ but one: view(dtype)'s autograd kernel detaches its input
     # through torch's Python interpreter (TensorImpl::shallow_copy_and_detach), not the dispatcher
     # and every in-place op did too (the copy of a 0-dim CPU tensor as well, a scalar as in _fast)
-    assert calls == "[0] calls: 1; [0] in-place calls: 0 []"
+    # and every foreach op (autograd's kernel of a .Tensor overload reads the 0-dim tensor's value first)
+    assert calls == ("[0] calls: 1; [0] in-place calls: 0 []; "
+                     "[0] foreach calls: 1 ['aten._local_scalar_dense.default']"), calls
     python, error, calls = _describe(tmp_path / "python", "none")
     assert error == ("[0] fast dispatch: no C++ compiler: '/nonexistent/c++' not found (CXX names the compiler, "
                      "default c++)")
@@ -229,6 +262,12 @@ def test_ops_in_cpp_describe_the_same_as_through_torch_dispatch(tmp_path):
     assert len([line for line in cpp if line.startswith("[0] in-place ") and " True 1 " in line]) == 18, text
     assert any(line.startswith("[0] in-place error result type Float can't be cast to the desired output type "
                                "Long [1, 1, 1] 0") for line in cpp), text
+    # (versions: 0 here, through __torch_dispatch__ as well, where CPU tensors count 1 a foreach op: a gap of the
+    # emulated tensors' foreach ops, docs/device.md)
+    assert ("[0] foreach add_list [True, True] [0, 0] [[[-1.0, 0.0], [2.0, 3.0]], [2.0, 1.6666666269302368, "
+            "1.3333333730697632, 1.0]]") in cpp, text
+    assert len([line for line in cpp if line.startswith("[0] foreach ") and " [True, True] " in line]) == 16, text
+    assert any(line.startswith("[0] foreach lengths error ") and " [0, 0] " in line for line in cpp), text
     assert '"gpu": 0' in next(line for line in cpp if line.startswith("[0] allocating_on "))
     assert '"gpu": 0' in next(line for line in cpp if line.startswith("[0] allocating_on_plain "))
     assert any(line.startswith("[0] error: view size is not compatible") for line in cpp), text

@@ -635,7 +635,86 @@ bool plain_in_cpp(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   return true;
 }
 
-// The kernel for the Python key: `in_cpp` (view_in_cpp, plain_in_cpp) with the GIL held (the
+// The CPU tensor inside `t` if it is an exact, strided MirageTensor of the GPU `gpu_index` (set by the first
+// met: -1 until then); false (no Python error left) for anything else.
+bool unwrap_on_gpu(const at::Tensor& t, long& gpu_index, at::Tensor& elem_out) {
+  if (!t.defined()) {
+    return false;
+  }
+  PyObject* obj = t.unsafeGetTensorImpl()->pyobj_slot()->load_pyobj();
+  if (obj == nullptr || Py_TYPE(obj) != g_wrapper_type) {
+    return false;
+  }
+  Ref elem(PyObject_GetAttr(obj, g_elem));
+  Ref gpu(PyObject_GetAttr(obj, g_gpu));
+  if (elem.p == nullptr || gpu.p == nullptr || !THPVariable_CheckExact(elem.p)) {
+    PyErr_Clear();
+    return false;
+  }
+  const long index = PyLong_AsLong(gpu.p);
+  if (index == -1 && PyErr_Occurred()) {
+    PyErr_Clear();
+    return false;
+  }
+  if (gpu_index != -1 && index != gpu_index) {
+    return false;  // two GPUs: _dispatch raises torch's error
+  }
+  gpu_index = index;
+  elem_out = THPVariable_Unpack(elem.p);
+  return elem_out.layout() == c10::kStrided;
+}
+
+// An in-place _foreach_ op (Adam's and SGD's updates, clip_grad_norm_'s scaling: it writes the tensors of its
+// first list and returns nothing) on lists of exact MirageTensors of one GPU, and 0-dim CPU tensors, done here
+// as _fast does it: the op on their CPU tensors, the GIL released. Registered in functional mode only
+// (clocked mode prices these in Python). False, before anything ran, for anything else.
+bool foreach_in_cpp(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  if (c10::impl::TorchDispatchModeTLS::stack_len() > 0) {
+    return false;
+  }
+  const auto num_arguments = op.schema().arguments().size();
+  torch::jit::Stack inner(stack->end() - static_cast<std::ptrdiff_t>(num_arguments), stack->end());
+  long gpu_index = -1;
+  for (auto& value : inner) {
+    if (value.isTensorList()) {
+      const auto list = value.toTensorList();
+      c10::List<at::Tensor> elems;
+      elems.reserve(list.size());
+      for (const at::Tensor& t : list) {
+        at::Tensor elem;
+        if (!unwrap_on_gpu(t, gpu_index, elem)) {
+          return false;  // an element of another kind (as _fast: the general path decides)
+        }
+        elems.push_back(std::move(elem));
+      }
+      value = std::move(elems);
+    } else if (value.isTensor() && value.toTensor().defined()) {
+      c10::TensorImpl* impl = value.unsafeToTensorImpl();
+      PyObject* obj = impl->pyobj_slot()->load_pyobj();
+      if (obj != nullptr && Py_TYPE(obj) == g_wrapper_type) {
+        at::Tensor elem;
+        if (!unwrap_on_gpu(value.toTensor(), gpu_index, elem)) {
+          return false;
+        }
+        value = std::move(elem);
+      } else if (impl->key_set().has(c10::DispatchKey::Python) || impl->dim() > 0 || !impl->device().is_cpu()) {
+        return false;  // only a 0-dim CPU tensor goes alongside (a scalar)
+      }
+    }
+  }
+  if (gpu_index == -1) {
+    return false;
+  }
+  {
+    NoGil no_gil;
+    c10::impl::ExcludeDispatchKeyGuard exclude(kAbovePython);
+    op.callBoxed(inner);  // an error (torch checks the lists before writing) goes to kernel()
+  }
+  torch::jit::drop(*stack, num_arguments);
+  return true;
+}
+
+// The kernel for the Python key: `in_cpp` (view_in_cpp, plain_in_cpp, foreach_in_cpp) with the GIL held (the
 // autograd engine calls ops with it released), torch's Python fallback when it declines or throws.
 template <bool (*in_cpp)(const c10::OperatorHandle&, torch::jit::Stack*)>
 void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
@@ -852,22 +931,23 @@ extern "C" PyObject* mirage_op_signature() {
   return PyCFunction_New(&g_signature_def, nullptr);
 }
 
-// Register the view kernel on the ops `views` names (aten overloads: "view", "transpose.int") and
-// the plain kernel on those `plain` names; `wrapper_type` is MirageTensor, `allocating` the
+// Register the view kernel on the ops `views` names (aten overloads: "view", "transpose.int"),
+// the plain kernel on those `plain` names and the foreach one on the `foreach` names; `wrapper_type` is MirageTensor, `allocating` the
 // threading.local whose .gpu overrides an output's GPU, `hold` the allocator's ALLOCATOR.hold;
 // `plain_funcs` the plain ops' OpOverloads (in the order of `plain`), `cost` and `charge` clocked mode's
 // pricing and clock (both None in functional mode: g_cost, g_charge). Called with the GIL held (ctypes.PyDLL). Returns 0, or -1 with a Python exception set.
 extern "C" int mirage_register_kernels(PyObject* wrapper_type, PyObject* allocating, PyObject* hold,
-                                       PyObject* views, PyObject* plain, PyObject* plain_funcs, PyObject* cost,
-                                       PyObject* charge) {
+                                       PyObject* views, PyObject* plain, PyObject* plain_funcs, PyObject* foreach,
+                                       PyObject* cost, PyObject* charge) {
   if (g_library != nullptr) {
     PyErr_SetString(PyExc_RuntimeError, "the kernels are registered already");
     return -1;
   }
   if (!PyType_Check(wrapper_type) || !PyList_Check(views) || !PyList_Check(plain) || !PyList_Check(plain_funcs) ||
+      !PyList_Check(foreach) ||
       PyList_GET_SIZE(plain_funcs) != PyList_GET_SIZE(plain) || (cost == Py_None) != (charge == Py_None)) {
     PyErr_SetString(PyExc_TypeError,
-                    "expected the wrapper's type, two lists of op names, the plain ops and two callables or Nones");
+                    "expected the wrapper's type, two lists of op names, the plain ops, a list of op names and two callables or Nones");
     return -1;
   }
   g_elem = PyUnicode_InternFromString("_elem");
@@ -885,14 +965,15 @@ extern "C" int mirage_register_kernels(PyObject* wrapper_type, PyObject* allocat
     // a failure part way deletes the library, which takes back the kernels it registered
     auto library = std::make_unique<torch::Library>(
         torch::Library::IMPL, "aten", c10::DispatchKey::Python, "shim/native/fast_dispatch.cpp", __LINE__);
-    for (PyObject* names : {views, plain}) {
+    for (PyObject* names : {views, plain, foreach}) {
       for (Py_ssize_t i = 0; i < PyList_GET_SIZE(names); ++i) {
         const char* name = PyUnicode_AsUTF8(PyList_GET_ITEM(names, i));
         if (name == nullptr) {
           return -1;
         }
-        library->impl(name, names == views ? torch::CppFunction::makeFromBoxedFunction<&kernel<&view_in_cpp>>()
-                                           : torch::CppFunction::makeFromBoxedFunction<&kernel<&plain_in_cpp>>());
+        library->impl(name, names == views     ? torch::CppFunction::makeFromBoxedFunction<&kernel<&view_in_cpp>>()
+                            : names == foreach ? torch::CppFunction::makeFromBoxedFunction<&kernel<&foreach_in_cpp>>()
+                                               : torch::CppFunction::makeFromBoxedFunction<&kernel<&plain_in_cpp>>());
         if (names == plain) {
           std::string full(name);
           const auto dot = full.find('.');

@@ -79,6 +79,19 @@ IN_PLACE_OPS = (
     _aten.clamp_.default, _aten.neg_.default,
 )
 
+#: in-place foreach ops taken in C++ in functional mode (Adam's, AdamW's and SGD's updates, clip_grad_norm_'s
+#: scaling): each writes the tensors of its first list and returns nothing; clocked mode prices them in Python
+FOREACH_OPS = tuple(
+    getattr(getattr(_aten, f"_foreach_{name}_"), overload)
+    for name, overloads in (("add", ("Scalar", "List", "ScalarList", "Tensor")),
+                            ("sub", ("Scalar", "List", "ScalarList")),
+                            ("mul", ("Scalar", "List", "ScalarList", "Tensor")),
+                            ("div", ("Scalar", "List", "ScalarList", "Tensor")),
+                            ("addcmul", ("Scalar", "ScalarList")), ("addcdiv", ("Scalar", "ScalarList")),
+                            ("lerp", ("Scalar", "List")), ("sqrt", ("default",)), ("neg", ("default",)),
+                            ("zero", ("default",)))
+    for overload in overloads)
+
 _lib: ctypes.CDLL | None = None  # kept: the registrations point into it for the process's life
 
 
@@ -128,6 +141,21 @@ def _check_in_place(op) -> str:
     return _name(op)
 
 
+def _check_foreach(op) -> str:
+    """``op``'s name, once it is what the foreach kernel assumes: a plain op that ``_fast`` runs, writing the
+    tensors of its first argument (a list) and returning nothing, aliasing nothing else, its other arguments
+    lists of tensors, tensors and numbers."""
+    schema = op._schema
+    plan = tensor._Plan(op)
+    first, *rest = schema.arguments
+    if (plan.kind != tensor._PLAIN or not plan.fast or str(first.type) != "List[Tensor]"
+            or first.alias_info is None or not first.alias_info.is_write or schema.returns
+            or any(a.alias_info is not None
+                   or (str(a.type) != "List[Tensor]" and tensor._tensor_slot(a.type) is None) for a in rest)):
+        raise AssertionError(f"{op} is not an in-place foreach op on its first list")
+    return _name(op)
+
+
 def install() -> None:
     """Build (once, cached) and register the kernels; on failure record why in :data:`FAST_DISPATCH_ERROR`."""
     global FAST_DISPATCH_ERROR, _lib
@@ -137,19 +165,21 @@ def install() -> None:
         # views, which launch no kernel, stay in C++ there.
         plain_ops = [] if RUNTIME.settings.estimate else list(PLAIN_OPS) + list(IN_PLACE_OPS)
         plain = [_check_in_place(op) if op in IN_PLACE_OPS else _check_plain(op) for op in plain_ops]
+        # clocked mode prices the foreach ops in Python (their numbers change every step: op_costs.py)
+        foreach = [] if RUNTIME.clock is not None else [_check_foreach(op) for op in FOREACH_OPS]
         lib = native_build.load(native_build.FAST_DISPATCH_SOURCE, "the fast dispatch kernels", ctypes.PyDLL)
     except (AssertionError, native_build.BuildError) as e:  # another torch's schemas, or no build
         FAST_DISPATCH_ERROR = str(e)
         return
     register = lib.mirage_register_kernels
-    register.argtypes = [ctypes.py_object] * 8
+    register.argtypes = [ctypes.py_object] * 9
     register.restype = ctypes.c_int
     clock = RUNTIME.clock  # clocked mode: the plain ops are timed in C++ too, priced once per signature
     # the roofline of an op whose signature the C++ table has not seen yet
     cost = None if clock is None else functools.partial(op_cost, profile=clock.profile)
     try:
         # dev._alloc: the thread's allocating_on() GPU, which overrides an output's GPU as in _fast
-        register(MirageTensor, dev._alloc, RUNTIME.allocator.hold, views, plain, plain_ops, cost,
+        register(MirageTensor, dev._alloc, RUNTIME.allocator.hold, views, plain, plain_ops, foreach, cost,
                  None if clock is None else clock.charge_priced)
     except (RuntimeError, TypeError) as e:  # the error the library set (PyDLL raises it)
         FAST_DISPATCH_ERROR = f"cannot register the fast dispatch kernels: {e}"
