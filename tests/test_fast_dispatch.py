@@ -196,6 +196,15 @@ for name, op in {
 }.items():
     foreach(name, op)
 print("foreach calls:", len(foreach_python), foreach_python)
+w = torch.ones(3, device="cuda:1", requires_grad=True)
+saved = torch.full((3,), 2.0, device="cuda:1")
+y = (w * saved).sum()
+torch._foreach_mul_([saved], 3.0)  # what mul saved for backward, written in place
+try:
+    y.backward()
+    print("foreach write seen by autograd: no")
+except RuntimeError as e:
+    print("foreach write seen by autograd:", str(e).split(":")[0])
 
 # what the kernels may take: in-place, device-taking, random and list-returning ops stay in Python
 for check, op in ((fast_dispatch._check_plain, torch.ops.aten.add_.Tensor),
@@ -262,12 +271,13 @@ def test_ops_in_cpp_describe_the_same_as_through_torch_dispatch(tmp_path):
     assert len([line for line in cpp if line.startswith("[0] in-place ") and " True 1 " in line]) == 18, text
     assert any(line.startswith("[0] in-place error result type Float can't be cast to the desired output type "
                                "Long [1, 1, 1] 0") for line in cpp), text
-    # (versions: 0 here, through __torch_dispatch__ as well, where CPU tensors count 1 a foreach op: a gap of the
-    # emulated tensors' foreach ops, docs/device.md)
-    assert ("[0] foreach add_list [True, True] [0, 0] [[[-1.0, 0.0], [2.0, 3.0]], [2.0, 1.6666666269302368, "
+    # one write of each tensor counted, as the GPU's foreach kernels count it (autograd's in-place check reads it)
+    assert ("[0] foreach add_list [True, True] [1, 1] [[[-1.0, 0.0], [2.0, 3.0]], [2.0, 1.6666666269302368, "
             "1.3333333730697632, 1.0]]") in cpp, text
-    assert len([line for line in cpp if line.startswith("[0] foreach ") and " [True, True] " in line]) == 16, text
+    assert len([line for line in cpp if line.startswith("[0] foreach ") and " [True, True] [1, 1] " in line]) == 16, text
     assert any(line.startswith("[0] foreach lengths error ") and " [0, 0] " in line for line in cpp), text
+    assert ("[0] foreach write seen by autograd: one of the variables needed for gradient computation has been "
+            "modified by an inplace operation") in cpp, text
     assert '"gpu": 0' in next(line for line in cpp if line.startswith("[0] allocating_on "))
     assert '"gpu": 0' in next(line for line in cpp if line.startswith("[0] allocating_on_plain "))
     assert any(line.startswith("[0] error: view size is not compatible") for line in cpp), text

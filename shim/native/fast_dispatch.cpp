@@ -710,6 +710,13 @@ bool foreach_in_cpp(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     c10::impl::ExcludeDispatchKeyGuard exclude(kAbovePython);
     op.callBoxed(inner);  // an error (torch checks the lists before writing) goes to kernel()
   }
+  // a write of each tensor of the first list, as the GPU's foreach kernels count it (increment_version;
+  // an inference tensor has no counter)
+  for (const at::Tensor& t : (stack->end() - static_cast<std::ptrdiff_t>(num_arguments))->toTensorList()) {
+    if (!t.is_inference()) {
+      t.unsafeGetTensorImpl()->bump_version();
+    }
+  }
   torch::jit::drop(*stack, num_arguments);
   return true;
 }

@@ -186,6 +186,8 @@ class MirageTensor(torch.Tensor):
             out = _fast(plan, args, kwargs) if plan.fast else _GENERAL
             if out is _GENERAL:
                 out = _dispatch(func, plan, args, kwargs)
+            if plan.bumps:
+                torch._C._increment_version(args[0])  # (not an inference tensor's: it has no counter)
             clock = RUNTIME.clock
             if clock is not None and plan.kind != _COLLECTIVE and not _tracing(args):
                 # clocked mode: a kernel takes time (a traced one: see shim/compile/torch_compile.py)
@@ -235,7 +237,7 @@ def _tensor_slot(t) -> bool | None:
 class _Plan:
     """What dispatching one op needs to know, read from its schema once."""
 
-    __slots__ = ("func", "kind", "run", "mixed_ok", "view", "fast", "tensors", "lists")
+    __slots__ = ("func", "kind", "run", "mixed_ok", "view", "fast", "tensors", "lists", "bumps")
 
     def __init__(self, func):
         self.func = func
@@ -267,6 +269,12 @@ class _Plan:
         self.tensors = tuple(i for i, slot in enumerate(slots) if slot)
         # an op that waits for the GPU takes the general path, where set_sync_debug_mode is honoured
         self.fast = self.kind == _PLAIN and None not in slots and func not in _SYNCING
+        # an in-place foreach op: the GPU's kernels count a write of every tensor of its first list (the CPU's
+        # count one per tensor op of their loop); run on the wrappers' CPU tensors, nothing counts the wrappers'
+        first = func._schema.arguments[0] if func._schema.arguments else None
+        self.bumps = (func._schema.name.startswith("aten::_foreach_") and first is not None
+                      and str(first.type) == "List[Tensor]" and first.alias_info is not None
+                      and first.alias_info.is_write)
 
 
 _PLANS: dict[int, _Plan] = {}
