@@ -462,6 +462,35 @@ bool advance(PyObject* cost, const std::vector<PyObject*>& wrappers, PyObject* f
   return done.p != nullptr;
 }
 
+// The CPU tensor inside `t` if it is an exact, strided MirageTensor of the GPU `gpu_index` (set by the first
+// met: -1 until then); false (no Python error left) for anything else.
+bool unwrap_on_gpu(const at::Tensor& t, long& gpu_index, at::Tensor& elem_out) {
+  if (!t.defined()) {
+    return false;
+  }
+  PyObject* obj = t.unsafeGetTensorImpl()->pyobj_slot()->load_pyobj();
+  if (obj == nullptr || Py_TYPE(obj) != g_wrapper_type) {
+    return false;
+  }
+  Ref elem(PyObject_GetAttr(obj, g_elem));
+  Ref gpu(PyObject_GetAttr(obj, g_gpu));
+  if (elem.p == nullptr || gpu.p == nullptr || !THPVariable_CheckExact(elem.p)) {
+    PyErr_Clear();
+    return false;
+  }
+  const long index = PyLong_AsLong(gpu.p);
+  if (index == -1 && PyErr_Occurred()) {
+    PyErr_Clear();
+    return false;
+  }
+  if (gpu_index != -1 && index != gpu_index) {
+    return false;  // two GPUs: _dispatch raises torch's error
+  }
+  gpu_index = index;
+  elem_out = THPVariable_Unpack(elem.p);
+  return elem_out.layout() == c10::kStrided;
+}
+
 // plain_in_cpp's in-place op, its arguments unwrapped into `inner`: priced (clocked mode), run, and its first
 // argument's wrapper handed back. False, before anything ran, where it cannot be priced.
 bool in_place_in_cpp(const c10::OperatorHandle& op, torch::jit::Stack* stack, torch::jit::Stack& inner,
@@ -545,29 +574,14 @@ bool plain_in_cpp(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       }
       continue;  // a 0-dim CPU tensor is a scalar, which any op takes alongside cuda ones
     }
-    Ref elem(PyObject_GetAttr(obj, g_elem));
-    Ref gpu(PyObject_GetAttr(obj, g_gpu));
-    if (elem.p == nullptr || gpu.p == nullptr || !THPVariable_CheckExact(elem.p)) {
-      PyErr_Clear();
-      return false;
-    }
-    const long index = PyLong_AsLong(gpu.p);
-    if (index == -1 && PyErr_Occurred()) {
-      PyErr_Clear();
-      return false;
-    }
-    if (gpu_index == -1) {
-      gpu_index = index;
-    } else if (index != gpu_index) {
-      return false;  // two GPUs: _dispatch raises torch's error
+    at::Tensor elem;
+    if (!unwrap_on_gpu(inner[i].toTensor(), gpu_index, elem)) {
+      return false;  // another GPU's (_dispatch raises torch's error), or sparse (no strides for a wrapper)
     }
     if (clocked) {
       wrappers[i] = obj;
     }
-    inner[i] = THPVariable_Unpack(elem.p);
-    if (inner[i].unsafeToTensorImpl()->layout() != c10::kStrided) {
-      return false;  // a sparse tensor's results have no strides to give a wrapper: left to _new
-    }
+    inner[i] = std::move(elem);
   }
   if (gpu_index == -1) {
     return false;
@@ -633,35 +647,6 @@ bool plain_in_cpp(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     torch::jit::push(*stack, std::move(value));
   }
   return true;
-}
-
-// The CPU tensor inside `t` if it is an exact, strided MirageTensor of the GPU `gpu_index` (set by the first
-// met: -1 until then); false (no Python error left) for anything else.
-bool unwrap_on_gpu(const at::Tensor& t, long& gpu_index, at::Tensor& elem_out) {
-  if (!t.defined()) {
-    return false;
-  }
-  PyObject* obj = t.unsafeGetTensorImpl()->pyobj_slot()->load_pyobj();
-  if (obj == nullptr || Py_TYPE(obj) != g_wrapper_type) {
-    return false;
-  }
-  Ref elem(PyObject_GetAttr(obj, g_elem));
-  Ref gpu(PyObject_GetAttr(obj, g_gpu));
-  if (elem.p == nullptr || gpu.p == nullptr || !THPVariable_CheckExact(elem.p)) {
-    PyErr_Clear();
-    return false;
-  }
-  const long index = PyLong_AsLong(gpu.p);
-  if (index == -1 && PyErr_Occurred()) {
-    PyErr_Clear();
-    return false;
-  }
-  if (gpu_index != -1 && index != gpu_index) {
-    return false;  // two GPUs: _dispatch raises torch's error
-  }
-  gpu_index = index;
-  elem_out = THPVariable_Unpack(elem.p);
-  return elem_out.layout() == c10::kStrided;
 }
 
 // An in-place _foreach_ op (Adam's and SGD's updates, clip_grad_norm_'s scaling: it writes the tensors of its
