@@ -14,9 +14,15 @@ later.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 
-from wire.procfs import alive, ended
+from wire.procfs import alive, ended, torn_down
+
+#: How long a rank that a teardown signal ended (SIGTERM, SIGINT, SIGHUP) is held back when no other rank was
+#: found gone with it: its launcher's signal can end it before the kernel has finished the rank whose death
+#: made the launcher send it, and that rank is the one to name first.
+TEARDOWN_GRACE_S = 0.5
 
 
 class RankProcesses:
@@ -33,10 +39,12 @@ class RankProcesses:
         # not hangs while they are stopped, and their arrival times say nothing about stragglers
         self.debugged: dict[int, int] = {}
         self._gone_elsewhere: set[tuple[str, int]] = set()  # (host, pid) another host's agent saw exit
+        self._held: dict[int, float] = {}  # local rank ended by a teardown signal -> when first found so
 
     def register(self, rank: int, pid: int, host: str) -> None:
         """``rank`` is process ``pid`` of ``host`` from now on."""
         self._forget_pidfd(rank)
+        self._held.pop(rank, None)
         self.pids[rank] = pid
         self.hosts[rank] = host
         self.dead.pop(rank, None)  # a restarted rank (torchrun --max-restarts) is alive again
@@ -61,6 +69,7 @@ class RankProcesses:
         """``rank``'s process is gone (``how`` says how); returns its pid."""
         pid = self.pids.pop(rank)
         self.hosts.pop(rank, None)
+        self._held.pop(rank, None)
         self._forget_pidfd(rank)
         self.dead[rank] = how
         return pid
@@ -77,9 +86,21 @@ class RankProcesses:
         """The registered (rank, pid) of this host whose process is gone, not yet marked :meth:`gone`.
 
         Several found at once: a rank its launcher terminated comes after one that died otherwise (killed,
-        crashed, exited), which was likelier the cause; rank order among equals.
+        crashed, exited), which was likelier the cause; rank order among equals. Ranks all ended by a
+        teardown signal wait up to :data:`TEARDOWN_GRACE_S` for such a rank to be found with them.
         """
-        return ended((rank, pid) for rank, pid in self.pids.items() if self._local_rank(rank))
+        gone = ended((rank, pid) for rank, pid in self.pids.items() if self._local_rank(rank))
+        if gone and all(torn_down(pid) for _, pid in gone):
+            now = time.monotonic()
+            for rank, _ in gone:
+                if rank not in self._held:
+                    self._held[rank] = now
+                    self._forget_pidfd(rank)  # (a dead process's pidfd stays ready: the loop would spin on it)
+            if now - min(self._held[rank] for rank, _ in gone) < TEARDOWN_GRACE_S:
+                return []
+        for rank, _ in gone:
+            self._held.pop(rank, None)
+        return gone
 
     def is_pidfd(self, fd: int) -> bool:
         """Whether ``fd`` (ready in the poller) is a watched rank's pidfd: that rank's process has ended."""

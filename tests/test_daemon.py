@@ -791,6 +791,47 @@ def test_first_rank_to_go_is_named_first_even_when_its_launcher_ends_the_rest_at
             proc.wait()
 
 
+def _until_zombie(proc) -> None:
+    """Wait until ``proc`` (a child not yet reaped) has ended: its /proc state is Z."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_a_rank_its_launcher_terminated_waits_briefly_for_the_rank_that_died_first():
+    """Found alone, a rank a teardown signal ended is held back (TEARDOWN_GRACE_S) for the death that caused the
+    teardown, which the kernel may finish a moment later; then it is reported all the same."""
+    import signal
+
+    from emulator.ranks import TEARDOWN_GRACE_S, RankProcesses
+
+    watched: list[int] = []
+    books = RankProcesses("here", watch=watched.append, unwatch=watched.remove)
+    terminated, killed, alone = procs = _sleepers(3)
+    try:
+        for rank, proc in enumerate(procs):
+            books.register(rank, proc.pid, "")
+        terminated.send_signal(signal.SIGTERM)
+        _until_zombie(terminated)
+        assert books.exited() == []  # held: no other rank gone yet
+        assert len(watched) == 2  # and its pidfd out of the poller meanwhile (it would stay ready)
+        killed.kill()
+        _until_zombie(killed)
+        assert books.exited() == [(1, killed.pid), (0, terminated.pid)]
+        books.gone(1, "killed")
+        books.gone(0, "terminated")
+        alone.send_signal(signal.SIGTERM)  # nothing else dies: reported once the grace is over
+        _until_zombie(alone)
+        assert books.exited() == []
+        time.sleep(TEARDOWN_GRACE_S)
+        assert books.exited() == [(2, alone.pid)]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
 def test_a_rank_killed_while_the_daemon_waits_is_seen_through_its_pidfd():
     """The daemon sleeps in its poller; a rank's death wakes it (its pidfd), not the next scan."""
     import select

@@ -47,6 +47,13 @@ def ended(processes: Iterable[tuple[K, int]]) -> list[tuple[K, int]]:
     return [(key, pid) for key, pid, _ in found]
 
 
+def torn_down(pid: int) -> bool:
+    """Whether process ``pid`` has ended by a teardown signal (:data:`TEARDOWN_SIGNALS`), as far as its zombie
+    tells (False once reaped: unknown)."""
+    fields = _stat(pid)
+    return fields is not None and fields[0] == b"Z" and _cause_order(fields) == 2
+
+
 def _cause_order(fields: list[bytes] | None) -> int:
     if fields is None:
         return 1
