@@ -149,15 +149,20 @@ def _forget_older(out: Path) -> None:
     # Not all of them: two checkouts of different sources sharing a virtual environment (a worktree, a
     # branch switched back to) would otherwise delete each other's library and rebuild it in turn.
     prefix = out.name.rsplit("-", 1)[0] + "-"
-    builds: dict[str, float] = {}  # the source's hash -> when its library was built
-    for path in out.parent.glob(f"{prefix}*"):
-        key = path.name[len(prefix):].split(".", 1)[0].split("-", 1)[0]
-        if path.suffix == ".so" and key != out.stem[len(prefix):]:
-            builds[key] = path.stat().st_mtime
-    keep = sorted(builds, key=builds.get, reverse=True)[:KEEP_BUILDS - 1]
-    for path in out.parent.glob(f"{prefix}*"):
-        key = path.name[len(prefix):].split(".", 1)[0].split("-", 1)[0]
-        if key != out.stem[len(prefix):] and key not in keep:
+    # each file by the source hash after the prefix: its library (.so), lock, failure record, a build's .tmp
+    files = [(path, path.name[len(prefix):].split(".", 1)[0].split("-", 1)[0])
+             for path in out.parent.glob(f"{prefix}*")]
+    ours = out.stem[len(prefix):]
+    built: dict[str, float] = {}  # an older source's hash -> when its library was built
+    for path, key in files:
+        if path.suffix == ".so" and key != ours:
+            try:
+                built[key] = path.stat().st_mtime
+            except OSError:  # another process's build removed it meanwhile
+                pass
+    keep = {ours, *sorted(built, key=built.get, reverse=True)[:KEEP_BUILDS - 1]}
+    for path, key in files:
+        if key not in keep:
             path.unlink(missing_ok=True)
 
 

@@ -491,6 +491,26 @@ bool unwrap_on_gpu(const at::Tensor& t, long& gpu_index, at::Tensor& elem_out) {
   return elem_out.layout() == c10::kStrided;
 }
 
+// A tensor argument as the kernels take it: an exact MirageTensor of the GPU `gpu_index` becomes its CPU tensor
+// (`wrapper` set to it), a 0-dim CPU tensor (a scalar, which any op takes alongside cuda ones) stays
+// (`wrapper` nullptr). False for anything else: a CPU tensor with dimensions, another GPU's (_dispatch raises
+// torch's error), a subclass, a sparse one (no strides for a wrapper): the Python path decides.
+bool take_tensor(c10::IValue& value, long& gpu_index, PyObject*& wrapper) {
+  c10::TensorImpl* impl = value.unsafeToTensorImpl();
+  PyObject* obj = impl->pyobj_slot()->load_pyobj();
+  if (obj == nullptr || Py_TYPE(obj) != g_wrapper_type) {
+    wrapper = nullptr;
+    return !impl->key_set().has(c10::DispatchKey::Python) && impl->dim() == 0 && impl->device().is_cpu();
+  }
+  at::Tensor elem;
+  if (!unwrap_on_gpu(value.toTensor(), gpu_index, elem)) {
+    return false;
+  }
+  value = std::move(elem);
+  wrapper = obj;
+  return true;
+}
+
 // plain_in_cpp's in-place op, its arguments unwrapped into `inner`: priced (clocked mode), run, and its first
 // argument's wrapper handed back. False, before anything ran, where it cannot be priced.
 bool in_place_in_cpp(const c10::OperatorHandle& op, torch::jit::Stack* stack, torch::jit::Stack& inner,
@@ -566,25 +586,19 @@ bool plain_in_cpp(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     if (!inner[i].isTensor() || !inner[i].toTensor().defined()) {
       continue;  // the ops registered take no lists of tensors
     }
-    c10::TensorImpl* impl = inner[i].unsafeToTensorImpl();
-    PyObject* obj = impl->pyobj_slot()->load_pyobj();
-    if (obj == nullptr || Py_TYPE(obj) != g_wrapper_type) {
-      if (impl->key_set().has(c10::DispatchKey::Python) || impl->dim() > 0 || !impl->device().is_cpu()) {
-        return false;  // a CPU tensor with dimensions, another GPU's or a subclass: _dispatch decides
-      }
-      continue;  // a 0-dim CPU tensor is a scalar, which any op takes alongside cuda ones
-    }
-    at::Tensor elem;
-    if (!unwrap_on_gpu(inner[i].toTensor(), gpu_index, elem)) {
-      return false;  // another GPU's (_dispatch raises torch's error), or sparse (no strides for a wrapper)
+    PyObject* wrapper = nullptr;
+    if (!take_tensor(inner[i], gpu_index, wrapper)) {
+      return false;
     }
     if (clocked) {
-      wrappers[i] = obj;
+      wrappers[i] = wrapper;
     }
-    inner[i] = std::move(elem);
   }
   if (gpu_index == -1) {
     return false;
+  }
+  if (in_place) {
+    return in_place_in_cpp(op, stack, inner, given, wrappers, func, gpu_index);
   }
   Ref gpu(PyObject_GetAttr(g_allocating, g_override));  // allocating_on(gpu) decides, as in _fast
   if (gpu.p == nullptr) {
@@ -594,9 +608,6 @@ bool plain_in_cpp(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (gpu.p == Py_None) {
     Py_DECREF(gpu.p);
     gpu.p = PyLong_FromLong(gpu_index);
-  }
-  if (in_place) {
-    return in_place_in_cpp(op, stack, inner, given, wrappers, func, gpu_index);
   }
   {
     // as the Python path's func._op does: kernels run without the GIL. An error reaches
@@ -674,16 +685,9 @@ bool foreach_in_cpp(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       }
       value = std::move(elems);
     } else if (value.isTensor() && value.toTensor().defined()) {
-      c10::TensorImpl* impl = value.unsafeToTensorImpl();
-      PyObject* obj = impl->pyobj_slot()->load_pyobj();
-      if (obj != nullptr && Py_TYPE(obj) == g_wrapper_type) {
-        at::Tensor elem;
-        if (!unwrap_on_gpu(value.toTensor(), gpu_index, elem)) {
-          return false;
-        }
-        value = std::move(elem);
-      } else if (impl->key_set().has(c10::DispatchKey::Python) || impl->dim() > 0 || !impl->device().is_cpu()) {
-        return false;  // only a 0-dim CPU tensor goes alongside (a scalar)
+      PyObject* wrapper = nullptr;
+      if (!take_tensor(value, gpu_index, wrapper)) {
+        return false;
       }
     }
   }
@@ -766,7 +770,7 @@ struct PySignature {
   }
 };
 
-// Append `value` (an argument, a list or tuple of them, a result) as op_costs._add / _add_types do.
+// Append `value` (an argument, a list or tuple of them, a result) as op_costs._add does.
 // 1 for a value a signature cannot hold (an object of the program's among the values an op may read,
 // an int beyond 64 bits, symbolic sizes); 0 once appended.
 int sig_add(PySignature& sig, PyObject* value) {
